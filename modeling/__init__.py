@@ -1,0 +1,45 @@
+"""hfgpt models. Importing this package registers the config, every head and the tokenizers with
+transformers' Auto classes, so `AutoModelForCausalLM.from_pretrained(path)` works on hfgpt checkpoints."""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .configuration_hfgpt import PRESETS, GPTConfig, translate_transformers_config
+from .modeling_hfgpt import (
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForQuestionAnswering,
+    GPTForSequenceClassification,
+    GPTForTokenClassification,
+    GPTModel,
+    GPTPreTrainedModel,
+)
+
+AutoConfig.register(GPTConfig.model_type, GPTConfig, exist_ok=True)
+for _auto, _model in (
+    (AutoModel, GPTModel),
+    (AutoModelForCausalLM, GPTForCausalLM),
+    (AutoModelForSequenceClassification, GPTForSequenceClassification),
+    (AutoModelForTokenClassification, GPTForTokenClassification),
+    (AutoModelForQuestionAnswering, GPTForQuestionAnswering),
+):
+    _auto.register(GPTConfig, _model, exist_ok=True)
+
+__all__ = [
+    "PRESETS",
+    "GPTConfig",
+    "GPTDoubleHeadsModel",
+    "GPTForCausalLM",
+    "GPTForQuestionAnswering",
+    "GPTForSequenceClassification",
+    "GPTForTokenClassification",
+    "GPTModel",
+    "GPTPreTrainedModel",
+    "translate_transformers_config",
+]

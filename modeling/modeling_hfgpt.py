@@ -1,0 +1,782 @@
+"""hfgpt models: OpenAI's GPT-1 and GPT-2 decoders as transformers `PreTrainedModel`s.
+
+Order: building blocks (activation, attention, MLP, block, sequence summary), the `PreTrainedModel`
+base, the base model, then the heads. Module names equal the keys of OpenAI's GPT-2 release and of
+transformers' `GPT2LMHeadModel` (`transformer.h.{i}.attn.c_attn`, ...), and linear weights keep their
+Conv1D layout `[in, out]`, so converting a checkpoint is a table, not a rename.
+
+This file imports only torch, transformers and its sibling `configuration_hfgpt.py`, so that
+`save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
+"""
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    QuestionAnsweringModelOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import ModelOutput
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_hfgpt import GPTConfig
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    # The tanh GELU of both originals (GPT-1 train.py `gelu`, GPT-2 model.py `gelu`), as one fused kernel
+    # instead of the ~8 element-wise ops of transformers' `gelu_new`: same values to float precision,
+    # less time and no saved intermediates in training.
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention that also returns the weights (for `output_attentions=True`)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2)  # (B, T, H, D)
+    return output, weights
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.is_causal = True
+        # One scale for every backend: 1/sqrt(d) (both originals), optionally / (layer_idx + 1).
+        self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(layer_idx + 1)
+        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.attn_dropout = config.attn_pdrop
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, T, E)
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq_len, _ = hidden_states.shape
+        qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        input_dtype = query.dtype
+        if self.config.reorder_and_upcast_attn and input_dtype not in (torch.float32, torch.float64):
+            # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
+            # honoured by every backend by running it in float32.
+            query, key, value = query.float(), key.float(), value.float()
+        output, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attn_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        output = output.to(input_dtype).reshape(batch, seq_len, -1)  # (B, T, E)
+        output = self.resid_dropout(self.c_proj(output))
+        return output, weights
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = Conv1D(config.inner_size, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.inner_size)
+        self.act = ACTIVATIONS[config.activation_function]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+class GPTBlock(GradientCheckpointingLayer):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.layer_norm_position == "pre"
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPTAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPTMLP(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if self.pre_norm:
+            # GPT-2 model.py `block`: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))
+            attn_out, _ = self.attn(self.ln_1(hidden_states), attention_mask, past_key_values, **kwargs)
+            hidden_states = hidden_states + attn_out
+            return hidden_states + self.mlp(self.ln_2(hidden_states))
+        # GPT-1 train.py `block`: n = ln_1(x + attn(x)); h = ln_2(n + mlp(n))
+        attn_out, _ = self.attn(hidden_states, attention_mask, past_key_values, **kwargs)
+        normed = self.ln_1(hidden_states + attn_out)
+        return self.ln_2(normed + self.mlp(normed))
+
+
+class GPTSequenceSummary(nn.Module):
+    """Pool one hidden state per sequence and project it (GPT-1's `clf` head, transformers' GPT2 summary).
+
+    Parameter names (`summary.weight`, `summary.bias`) match transformers' `GPT2SequenceSummary` so
+    `multiple_choice_head.*` keys load from `GPT2DoubleHeadsModel` / `OpenAIGPTDoubleHeadsModel`.
+    """
+
+    def __init__(self, config: GPTConfig, num_outputs: int):
+        super().__init__()
+        self.summary_type = config.summary_type
+        self.summary: nn.Module = nn.Identity()
+        if config.summary_use_proj:
+            out = num_outputs if config.summary_proj_to_labels and num_outputs > 0 else config.n_embd
+            self.summary = nn.Linear(config.n_embd, out)
+        self.activation: Callable = torch.tanh if config.summary_activation == "tanh" else nn.Identity()
+        self.first_dropout = nn.Dropout(config.summary_first_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, cls_index: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden_states: (..., T, E); cls_index: (...) positions, default the last one.
+        if self.summary_type == "last":
+            output = hidden_states[..., -1, :]
+        elif self.summary_type == "first":
+            output = hidden_states[..., 0, :]
+        elif self.summary_type == "mean":
+            output = hidden_states.mean(dim=-2)
+        else:  # "cls_index"
+            if cls_index is None:
+                output = hidden_states[..., -1, :]
+            else:
+                index = cls_index[..., None, None].expand(*cls_index.shape, 1, hidden_states.size(-1))
+                output = hidden_states.gather(-2, index).squeeze(-2)
+        return self.activation(self.summary(self.first_dropout(output)))
+
+
+# Every head, for `config.auto_map` in saved checkpoints (trust_remote_code users load any of them).
+AUTO_MAP = {
+    "AutoConfig": "configuration_hfgpt.GPTConfig",
+    "AutoModel": "modeling_hfgpt.GPTModel",
+    "AutoModelForCausalLM": "modeling_hfgpt.GPTForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_hfgpt.GPTForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_hfgpt.GPTForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_hfgpt.GPTForQuestionAnswering",
+}
+
+# transformers' OpenAIGPT* checkpoints name the embeddings differently; everything else matches.
+OPENAI_GPT_KEY_MAPPING = {
+    r"transformer\.tokens_embed\.": "transformer.wte.",
+    r"transformer\.positions_embed\.": "transformer.wpe.",
+}
+
+
+class GPTPreTrainedModel(PreTrainedModel):
+    config_class = GPTConfig
+    config: GPTConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GPTBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": GPTBlock,
+        "attentions": OutputRecorder(GPTAttention, index=1),
+    }
+    # Causal-mask buffers of older GPT-2 / OpenAIGPT checkpoints; masks are built on the fly here.
+    _keys_to_ignore_on_load_unexpected = [r"attn\.bias$", r"attn\.masked_bias$"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.bias)
+        # GPT-2 §2.3: "scale the weights of residual layers at initialization by 1/sqrt(N)" where N is
+        # the number of residual layers (two per block). GPT-1 used N(0, 0.02) everywhere.
+        if self.config.scale_residual_init and isinstance(module, (GPTAttention, GPTMLP)):
+            init.normal_(module.c_proj.weight, mean=0.0, std=std / (2 * self.config.n_layer) ** 0.5)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+        # Checkpoints of transformers' OpenAIGPT* classes load directly (their config is translated by
+        # GPTConfig.from_dict); the renames match nothing in hfgpt's or GPT2*'s own keys.
+        kwargs.setdefault("key_mapping", OPENAI_GPT_KEY_MAPPING)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        # transformers records only the saved class in `auto_map`; record every head so that any
+        # AutoModelFor... loads the checkpoint with trust_remote_code where hfgpt is not installed.
+        self.config.auto_map = {**(self.config.auto_map or {}), **AUTO_MAP}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        # The code files those entries name (custom_object_save copies them only for classes with an
+        # Auto class of their own, which GPTDoubleHeadsModel lacks).
+        here = Path(__file__).parent
+        for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
+            if not (Path(save_directory) / name).exists():
+                shutil.copyfile(here / name, Path(save_directory) / name)
+
+    def _pool_positions(self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int) -> torch.Tensor:
+        """Index of the token each sequence is summarised at: GPT-1's `_classify_` token where the
+        recipe placed one (train.py pools at the `clf_token`), else the last non-padding token."""
+        device = input_ids.device if input_ids is not None else self.device
+        positions = torch.arange(seq_len, device=device)
+        if input_ids is None:
+            return torch.full((n_rows,), seq_len - 1, device=device, dtype=torch.long)
+        input_ids = input_ids.reshape(n_rows, seq_len)
+        clf_id = self.config.classify_token_id
+        if clf_id is not None:
+            is_clf = input_ids == clf_id
+            if bool(is_clf.any(dim=-1).all()):
+                return (positions * is_clf).argmax(-1)
+        pad_id = self.config.pad_token_id
+        if pad_id is None:
+            if n_rows != 1:
+                raise ValueError(
+                    f"Cannot pool a batch of {n_rows} sequences without a pad token: set "
+                    "`model.config.pad_token_id` (e.g. to the tokenizer's pad or eos id) so the last "
+                    "non-padding token of each row can be found"
+                    + (
+                        f", or end every sequence with the classify token {clf_id}"
+                        if clf_id is not None
+                        else ""
+                    )
+                    + "."
+                )
+            return torch.full((n_rows,), seq_len - 1, device=device, dtype=torch.long)
+        # Rightmost non-pad token: works for left and right padding alike (as GPT2ForSequenceClassification).
+        return (positions * (input_ids != pad_id)).argmax(-1)
+
+    def _auxiliary_lm_loss(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """GPT-1's auxiliary LM objective L1 on the task inputs (Radford et al. 2018, §3.2, train.py `model`):
+        next-token cross-entropy with the tied embedding matrix, averaged over each sequence's real tokens
+        (mask M[:, 1:]), then over sequences."""
+        seq_len = input_ids.shape[-1]
+        hidden = hidden_states.reshape(-1, seq_len, hidden_states.shape[-1])[:, :-1]
+        targets = input_ids.reshape(-1, seq_len)[:, 1:]
+        if attention_mask is not None:
+            mask = attention_mask.reshape(-1, seq_len)[:, 1:].to(hidden.dtype)
+        elif self.config.pad_token_id is not None:
+            mask = (targets != self.config.pad_token_id).to(hidden.dtype)
+        else:
+            mask = torch.ones_like(targets, dtype=hidden.dtype)
+        logits = F.linear(hidden, self.get_input_embeddings().weight).float()
+        token_losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        per_sequence = (token_losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_sequence.mean()
+
+
+class GPTModel(GPTPreTrainedModel):
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([GPTBlock(config, layer_idx=i) for i in range(config.n_layer)])
+        # GPT-2 adds a final layer norm after the last pre-norm block; GPT-1 has none.
+        self.ln_f = (
+            nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+            if config.layer_norm_position == "pre"
+            else None
+        )
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
+        self.wte = new_embeddings
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        batch: int,
+        seq_len: int,
+        past_seen: int,
+    ) -> None:
+        """Clear errors for inputs that would otherwise fail deep inside torch (or silently wrap)."""
+        total = past_seen + seq_len
+        if total > self.config.n_positions:
+            raise ValueError(
+                f"Sequence length {total} (input {seq_len} + cached {past_seen}) exceeds the model's "
+                f"context of {self.config.n_positions} positions (config.n_positions)."
+            )
+        if input_ids is not None and input_ids.numel() > 0:
+            low, high = torch.aminmax(input_ids)
+            vocab = self.wte.num_embeddings
+            if int(low) < 0 or int(high) >= vocab:
+                bad = int(low) if int(low) < 0 else int(high)
+                raise ValueError(
+                    f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab}) of the model's "
+                    "embeddings (did the tokenizer add tokens without `model.resize_token_embeddings`?)"
+                )
+        if (
+            attention_mask is not None
+            and attention_mask.ndim == 2
+            and tuple(attention_mask.shape) != (batch, total)
+        ):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected ({batch}, {total}) "
+                f"= (batch, cached + input length)"
+            )
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        # Leading dimensions beyond the batch (e.g. (B, choices, T) for multiple choice) are flattened.
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        seq_len = input_shape[-1]
+        if input_ids is not None:
+            input_ids = input_ids.reshape(-1, seq_len)
+        else:
+            inputs_embeds = inputs_embeds.reshape(-1, seq_len, inputs_embeds.shape[-1])
+        batch = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+        if attention_mask is not None and attention_mask.ndim == len(input_shape) and len(input_shape) > 2:
+            attention_mask = attention_mask.reshape(batch, -1)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if not torch.compiler.is_compiling():
+            self._check_inputs(input_ids, attention_mask, batch, seq_len, past_seen)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        if position_ids is None:
+            position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+        hidden_states = inputs_embeds + self.wpe(position_ids)
+        if token_type_ids is not None:
+            # GPT-2 and transformers embed token types with the token embedding matrix.
+            hidden_states = hidden_states + self.wte(token_type_ids.reshape(-1, seq_len))
+        hidden_states = self.drop(hidden_states)  # (B, T, E)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        for block in self.h:
+            hidden_states = block(
+                hidden_states,
+                causal_mask,
+                past_key_values,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        if self.ln_f is not None:
+            hidden_states = self.ln_f(hidden_states)
+        hidden_states = hidden_states.view(*input_shape, hidden_states.shape[-1])
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.transformer = GPTModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """`labels` are the input ids (shifted inside, -100 ignored); `logits_to_keep=k` computes
+        logits for the last k positions only (generate() asks for 1)."""
+        outputs: BaseModelOutputWithPast = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+@dataclass
+class GPTSequenceClassifierOutput(ModelOutput):
+    """`loss` is L3 = L2 + lambda * L1 (GPT-1 §3.3); its two terms are reported separately."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    classification_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class GPTForSequenceClassification(GPTPreTrainedModel):
+    """Classification / regression from the hidden state at the last non-padding token, or at GPT-1's
+    `_classify_` token (`config.classify_token_id`) where the recipe's input transform placed one.
+
+    `input_ids` of shape (B, K, T) pool K sequences per example and add their representations: GPT-1's
+    similarity transform (§3.3, "both possible sentence orderings ... added element-wise").
+    With `config.lm_loss_weight` > 0 the loss is L2 + lambda * L1, L1 the auxiliary LM loss on the inputs.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = GPTModel(config)
+        self.score = nn.Linear(config.n_embd, config.num_labels, bias=config.score_bias)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> GPTSequenceClassifierOutput:
+        outputs: BaseModelOutputWithPast = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state  # (B, [K,] T, E)
+        batch, seq_len = hidden.shape[0], hidden.shape[-2]
+        flat = hidden.reshape(-1, seq_len, hidden.shape[-1])
+        index = self._pool_positions(input_ids, flat.shape[0], seq_len)
+        pooled = flat[torch.arange(flat.shape[0], device=flat.device), index]  # (B*K, E)
+        pooled = pooled.reshape(batch, -1, pooled.shape[-1]).sum(1)  # K orderings added: (B, E)
+        logits = self.score(pooled)  # (B, num_labels)
+
+        loss = classification_loss = lm_loss = None
+        if labels is not None:
+            classification_loss = self._classification_loss(logits, labels)
+            loss = classification_loss
+            if self.config.lm_loss_weight > 0 and input_ids is not None:
+                lm_loss = self._auxiliary_lm_loss(hidden, input_ids, attention_mask)
+                loss = classification_loss + self.config.lm_loss_weight * lm_loss
+        return GPTSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            classification_loss=classification_loss,
+            lm_loss=lm_loss,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def _classification_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to(logits.device)
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
+            else:
+                self.config.problem_type = "multi_label_classification"
+        if self.config.problem_type == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
+            return F.mse_loss(logits, labels.to(logits.dtype))
+        if self.config.problem_type == "single_label_classification":
+            flat = labels.reshape(-1)
+            if not torch.compiler.is_compiling():
+                bad = flat[(flat != -100) & ((flat < 0) | (flat >= self.num_labels))]
+                if bad.numel():
+                    raise ValueError(
+                        f"label {int(bad[0])} is outside [0, {self.num_labels}) (config.num_labels)"
+                    )
+            return F.cross_entropy(logits.reshape(-1, self.num_labels), flat)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+@dataclass
+class GPTDoubleHeadsModelOutput(ModelOutput):
+    """`loss` is the training objective: mc_loss + lambda * lm_loss when `mc_labels` are given
+    (GPT-1's L3), else lm_loss. `lm_loss` and `mc_loss` are also reported on their own."""
+
+    loss: torch.Tensor | None = None
+    mc_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    mc_logits: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
+    """LM head plus a multiple-choice head: GPT-1's fine-tuning model (ROCStories, RACE: one sequence
+    `[_start_] context [_delimiter_] answer_k [_classify_]` per choice, §3.3)."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.transformer = GPTModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.multiple_choice_head = GPTSequenceSummary(config, num_outputs=1)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        mc_token_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        mc_labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> GPTDoubleHeadsModelOutput:
+        """input_ids: (B, C, T) for C choices. mc_token_ids: (B, C) positions to classify at; by default
+        the `_classify_` token, else the last non-padding token. labels: LM labels (shifted inside)."""
+        outputs: BaseModelOutputWithPast = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state  # (B, C, T, E)
+        lm_logits = self.lm_head(hidden)
+        if mc_token_ids is None:
+            seq_len = hidden.shape[-2]
+            n_rows = hidden[..., 0, 0].numel()
+            mc_token_ids = self._pool_positions(input_ids, n_rows, seq_len).reshape(hidden.shape[:-2])
+        mc_logits = self.multiple_choice_head(hidden, mc_token_ids).squeeze(-1)  # (B, C)
+
+        mc_loss = lm_loss = loss = None
+        if mc_labels is not None:
+            mc_loss = F.cross_entropy(mc_logits.reshape(-1, mc_logits.size(-1)), mc_labels.reshape(-1))
+        if labels is not None:
+            shift_logits = lm_logits[..., :-1, :].reshape(-1, lm_logits.size(-1))
+            lm_loss = F.cross_entropy(shift_logits, labels[..., 1:].reshape(-1).to(shift_logits.device))
+        elif mc_labels is not None and self.config.lm_loss_weight > 0 and input_ids is not None:
+            lm_loss = self._auxiliary_lm_loss(hidden, input_ids, attention_mask)
+        if mc_loss is not None:
+            loss = mc_loss if lm_loss is None else mc_loss + self.config.lm_loss_weight * lm_loss
+        else:
+            loss = lm_loss
+        return GPTDoubleHeadsModelOutput(
+            loss=loss,
+            mc_loss=mc_loss,
+            lm_loss=lm_loss,
+            logits=lm_logits,
+            mc_logits=mc_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class GPTForTokenClassification(GPTPreTrainedModel):
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = GPTModel(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.n_embd, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> TokenClassifierOutput:
+        outputs: BaseModelOutputWithPast = self.transformer(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1).to(logits.device))
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class GPTForQuestionAnswering(GPTPreTrainedModel):
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.transformer = GPTModel(config)
+        self.qa_outputs = nn.Linear(config.n_embd, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        **kwargs: Any,
+    ) -> QuestionAnsweringModelOutput:
+        outputs: BaseModelOutputWithPast = self.transformer(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)  # 2 x (B, T)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Positions outside the input are ignored, as in transformers' QA heads.
+            ignored = start_logits.size(1)
+            start = start_positions.reshape(-1).clamp(0, ignored).to(start_logits.device)
+            end = end_positions.reshape(-1).clamp(0, ignored).to(end_logits.device)
+            loss = (
+                F.cross_entropy(start_logits, start, ignore_index=ignored)
+                + F.cross_entropy(end_logits, end, ignore_index=ignored)
+            ) / 2
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits.contiguous(),
+            end_logits=end_logits.contiguous(),
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+GPTConfig.register_for_auto_class()
+GPTModel.register_for_auto_class("AutoModel")
+GPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+GPTForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+GPTForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
+GPTForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
+# GPTDoubleHeadsModel has no matching Auto class (AutoModelForMultipleChoice expects `labels` for the
+# choices and no LM head); saving it still records the other heads through AUTO_MAP.
+
+__all__ = [
+    "GPTDoubleHeadsModel",
+    "GPTForCausalLM",
+    "GPTForQuestionAnswering",
+    "GPTForSequenceClassification",
+    "GPTForTokenClassification",
+    "GPTModel",
+    "GPTPreTrainedModel",
+]
