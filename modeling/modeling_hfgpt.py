@@ -9,6 +9,7 @@ This file imports only torch, transformers and its sibling `configuration_hfgpt.
 `save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
 """
 
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -212,10 +213,9 @@ AUTO_MAP = {
 }
 
 # transformers' OpenAIGPT* checkpoints name the embeddings differently; everything else matches.
-OPENAI_GPT_KEY_MAPPING = {
-    r"transformer\.tokens_embed\.": "transformer.wte.",
-    r"transformer\.positions_embed\.": "transformer.wpe.",
-}
+OPENAI_GPT_RENAMES = {"tokens_embed.": "wte.", "positions_embed.": "wpe."}
+# The same renames as `from_pretrained(key_mapping=...)` patterns (regular expressions).
+OPENAI_GPT_KEY_MAPPING = {re.escape(old): new for old, new in OPENAI_GPT_RENAMES.items()}
 
 
 class GPTPreTrainedModel(PreTrainedModel):
