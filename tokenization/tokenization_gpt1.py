@@ -1,0 +1,440 @@
+"""GPT-1's original tokenizer, reproduced exactly, as a transformers tokenizer.
+
+OpenAI's GPT-1 release (openai/finetune-transformer-lm, ``text_utils.py``, class ``TextEncoder``) encodes
+a text in five steps, all reproduced here:
+
+1. ``ftfy.fix_text`` repairs mojibake, uncurls quotes and normalises the text;
+2. ``text_standardize`` maps dashes/ellipsis/acute accent, pads runs of punctuation with spaces and
+   collapses whitespace (each newline run becomes a lone ``\\n`` token);
+3. spaCy's English tokenizer splits words (``spacy.blank("en")`` carries the same tokenizer rules as the
+   ``en`` model the original loaded with every pipeline component disabled);
+4. each spaCy token is lower-cased and split by BPE over ``encoder_bpe_40000.json`` / ``vocab_40000.bpe``,
+   its last symbol carrying the ``</w>`` word end;
+5. each BPE piece is looked up in the encoder, anything missing becomes id 0 (``<unk>``).
+
+transformers' own ``OpenAIGPTTokenizer`` (v5) replaced steps 1-3 by BERT's basic tokenizer, so it splits
+contractions and punctuation differently (``isn't`` -> ``isn ' t`` instead of spaCy's ``is n't``).
+
+This file is self-contained (standard library + transformers; ftfy and spaCy are imported when a tokenizer
+is built) because ``save_pretrained`` copies it next to the vocabulary for ``trust_remote_code`` loading.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import AddedToken, BatchEncoding, PreTrainedTokenizer
+from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
+
+VOCAB_FILES_NAMES = {"vocab_file": "encoder_bpe_40000.json", "merges_file": "vocab_40000.bpe"}
+
+# The original's fine-tuning tokens, appended after the 40,478-token vocabulary in this order
+# (finetune-transformer-lm train.py: encoder['_start_'] = len(encoder), then _delimiter_, _classify_).
+FINETUNE_TOKENS: tuple[str, ...] = ("_start_", "_delimiter_", "_classify_")
+
+_INSTALL_HINT = "pip install 'hfgpt[gpt1]'"
+
+# text_standardize's one-for-one character replacements (text_utils.py, applied in this order; none of
+# the outputs is an input of a later one, so a table is equivalent).
+_STANDARDIZE_REPLACEMENTS: dict[str, str] = {"—": "-", "–": "-", "―": "-", "…": "...", "´": "'"}
+# text_standardize's three regular expressions, verbatim from text_utils.py.
+_PUNCTUATION_RUN = re.compile(r"""(-+|~+|!+|"+|;+|\?+|\++|,+|\)+|\(+|\\+|\/+|\*+|\[+|\]+|}+|{+|\|+|_+)""")
+_NEWLINE_RUN = re.compile(r"\s*\n\s*")
+_OTHER_WHITESPACE_RUN = re.compile(r"[^\S\n]+")
+
+_WORD_END = "</w>"
+
+
+class MissingDependencyError(ImportError):
+    """ftfy or spaCy, which GPT-1's tokenizer needs, is not installed."""
+
+
+def _import_gpt1_dependencies() -> tuple[Any, Any]:
+    """Import ftfy and spaCy, or refuse with the command that installs them.
+
+    There is deliberately no fallback: without ftfy and spaCy's rules the ids would silently differ from
+    the ones GPT-1 was trained on.
+    """
+    missing, modules = [], []
+    for name in ("ftfy", "spacy"):
+        try:
+            # importlib rather than an import statement: transformers' remote-code loader scans import
+            # statements and would otherwise replace this message by its own.
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise MissingDependencyError(
+            f"GPT1Tokenizer reproduces GPT-1's original tokenizer, which needs {' and '.join(missing)} "
+            f"(not installed). Install them with: {_INSTALL_HINT}  (or: pip install ftfy spacy)"
+        )
+    return modules[0], modules[1]
+
+
+def text_standardize(text: str) -> str:
+    """The original ``text_standardize`` of finetune-transformer-lm's text_utils.py."""
+    for source, target in _STANDARDIZE_REPLACEMENTS.items():
+        text = text.replace(source, target)
+    text = _PUNCTUATION_RUN.sub(r" \1 ", text)
+    text = _NEWLINE_RUN.sub(" \n ", text)
+    text = _OTHER_WHITESPACE_RUN.sub(" ", text)
+    return text.strip()
+
+
+def _standardized_to_fixed(fixed: str, standardized: str) -> list[int]:
+    """For each character of ``text_standardize(fixed)``, its index in ``fixed`` (-1 for inserted spaces).
+
+    text_standardize only replaces characters (table above), inserts spaces and collapses whitespace, so
+    the non-space characters of both strings pair up in order once the replacements are expanded.
+    """
+    produced = [(out, j) for j, char in enumerate(fixed) for out in _STANDARDIZE_REPLACEMENTS.get(char, char)]
+    positions = [-1] * len(standardized)
+    k = 0
+    for i, char in enumerate(standardized):
+        if char.isspace() and char != "\n":
+            continue
+        while k < len(produced) and produced[k][0] != char:
+            k += 1  # only source whitespace is skipped here
+        if k == len(produced):
+            break
+        positions[i] = produced[k][1]
+        k += 1
+    return positions
+
+
+def _fixed_to_original(original: str, fixed: str) -> list[tuple[int, int]]:
+    """For each character of ``ftfy.fix_text(original)``, the span of ``original`` it came from.
+
+    ftfy offers no alignment; unchanged stretches map one to one, and a changed stretch (mojibake repaired,
+    a ligature expanded, NFC composition) maps as a whole onto the stretch it replaced.
+    """
+    if fixed == original:
+        return [(i, i + 1) for i in range(len(fixed))]
+    spans: list[tuple[int, int]] = [(0, 0)] * len(fixed)
+    matcher = difflib.SequenceMatcher(None, original, fixed, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        for j in range(j1, j2):
+            spans[j] = (i1 + j - j1, i1 + j - j1 + 1) if tag == "equal" else (i1, i2)
+    return spans
+
+
+class GPT1Tokenizer(PreTrainedTokenizer):
+    """GPT-1's tokenizer, giving the ids of OpenAI's original ``TextEncoder`` on any text.
+
+    Args:
+        vocab_file: ``encoder_bpe_40000.json``; defaults to the released file shipped with hfgpt.
+        merges_file: ``vocab_40000.bpe``; defaults to the released file shipped with hfgpt.
+        add_finetune_tokens: add ``_start_``, ``_delimiter_``, ``_classify_`` as special tokens with ids
+            40478-40480, as the original fine-tuning code does.
+        unk_token: the token of id 0, which the original gives every piece missing from the vocabulary.
+    """
+
+    vocab_files_names = VOCAB_FILES_NAMES
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(
+        self,
+        vocab_file: str | os.PathLike | None = None,
+        merges_file: str | os.PathLike | None = None,
+        add_finetune_tokens: bool = False,
+        unk_token: str = "<unk>",
+        model_max_length: int = 512,
+        clean_up_tokenization_spaces: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        ftfy, spacy = _import_gpt1_dependencies()
+        self._fix_text = ftfy.fix_text
+        # Only the tokenizer runs: the original loaded spaCy's `en` with parser/tagger/ner/textcat disabled.
+        self._nlp = spacy.blank("en")
+
+        shipped = Path(__file__).parent / "data" / "openai-gpt"
+        self.vocab_file = str(vocab_file or shipped / VOCAB_FILES_NAMES["vocab_file"])
+        self.merges_file = str(merges_file or shipped / VOCAB_FILES_NAMES["merges_file"])
+        with open(self.vocab_file, encoding="utf-8") as handle:
+            self.encoder: dict[str, int] = json.load(handle)
+        self.decoder: dict[int, str] = {index: piece for piece, index in self.encoder.items()}
+        with open(self.merges_file, encoding="utf-8") as handle:
+            # The original skips the "#version" header and the empty string after the final newline.
+            merges = handle.read().split("\n")[1:-1]
+        self.bpe_ranks: dict[tuple[str, ...], int] = {tuple(m.split()): i for i, m in enumerate(merges)}
+        self._bpe_cache: dict[str, str] = {}
+
+        super().__init__(
+            unk_token=unk_token,
+            model_max_length=model_max_length,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+            add_finetune_tokens=add_finetune_tokens,
+            **kwargs,
+        )
+        if add_finetune_tokens:
+            self.add_finetune_special_tokens()
+
+    # -- vocabulary -------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.encoder)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**self.encoder, **self.added_tokens_encoder}
+
+    def add_finetune_special_tokens(self) -> dict[str, int]:
+        """Add GPT-1's fine-tuning tokens (ids 40478-40480 on the released vocabulary); returns their ids."""
+        new = [AddedToken(token, special=True, normalized=False) for token in FINETUNE_TOKENS]
+        self.add_tokens([t for t in new if t.content not in self.get_vocab()], special_tokens=True)
+        self.init_kwargs["add_finetune_tokens"] = True
+        return self.finetune_token_ids
+
+    @property
+    def finetune_token_ids(self) -> dict[str, int]:
+        """Ids of ``_start_``, ``_delimiter_``, ``_classify_`` (empty until they are added)."""
+        vocab = self.get_vocab()
+        return {token: vocab[token] for token in FINETUNE_TOKENS if token in vocab}
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self.encoder.get(token, self.encoder[str(self.unk_token)])
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self.decoder.get(index, str(self.unk_token))
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """Join pieces into words: ``</w>`` ends a word; a newline token stands on its own."""
+        text = "".join(tokens).replace(_WORD_END, " ")
+        return re.sub(r" *\n *", "\n", text).strip(" ")
+
+    # -- the original pipeline ----------------------------------------------------------------------------
+    def bpe(self, token: str) -> str:
+        """BPE of one lower-cased spaCy token, as the original's ``TextEncoder.bpe``: space-joined pieces."""
+        if token in self._bpe_cache:
+            return self._bpe_cache[token]
+        word = tuple(token[:-1]) + (token[-1] + _WORD_END,)
+        while len(word) > 1:
+            pairs = set(zip(word, word[1:], strict=False))
+            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
+            if best not in self.bpe_ranks:
+                break
+            merged: list[str] = []
+            i = 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = tuple(merged)
+        result = " ".join(word)
+        # The original's special case: spaCy's newline token "\n " would otherwise give "\n", "", "</w>".
+        if result == "\n  </w>":
+            result = "\n</w>"
+        self._bpe_cache[token] = result
+        return result
+
+    def _pieces(self, text: str, with_offsets: bool) -> tuple[list[str], list[tuple[int, int]]]:
+        fixed = self._fix_text(text)
+        standardized = text_standardize(fixed)
+        doc = self._nlp.make_doc(standardized)
+        pieces: list[str] = []
+        offsets: list[tuple[int, int]] = []
+        if with_offsets:
+            to_fixed = _standardized_to_fixed(fixed, standardized)
+            to_original = _fixed_to_original(text, fixed)
+        for token in doc:
+            lowered = token.text.lower()
+            # The original splits the joined string on " ", so do the same (no piece contains a space).
+            token_pieces = self.bpe(lowered).split(" ")
+            pieces.extend(token_pieces)
+            if with_offsets:
+                offsets.extend(self._piece_spans(token, lowered, token_pieces, to_fixed, to_original))
+        return pieces, offsets
+
+    @staticmethod
+    def _piece_spans(token, lowered, token_pieces, to_fixed, to_original) -> list[tuple[int, int]]:
+        # Lower-casing can lengthen a character ("İ" -> "i̇"): map lowered characters back to the token's.
+        lowered_to_token = [i for i, char in enumerate(token.text) for _ in char.lower()]
+        if len(lowered_to_token) != len(lowered):
+            lowered_to_token = [min(i, len(token.text) - 1) for i in range(len(lowered))]
+        spans, position = [], 0
+        for piece in token_pieces:
+            length = len(piece.removesuffix(_WORD_END))
+            sources = [
+                to_original[to_fixed[token.idx + lowered_to_token[k]]]
+                for k in range(position, min(position + length, len(lowered)))
+                if to_fixed[token.idx + lowered_to_token[k]] >= 0
+            ]
+            position += length
+            spans.append((min(s for s, _ in sources), max(e for _, e in sources)) if sources else (0, 0))
+        return spans
+
+    def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
+        return self._pieces(text, with_offsets=False)[0]
+
+    def _chunks(self, text: str, split_special_tokens: bool) -> list[str]:
+        """Split out added tokens (the fine-tuning tokens), but never ``<unk>``.
+
+        transformers' own splitting would also match a literal "<unk>" in the text, which the original
+        tokenizes as ordinary text (it only ever produces id 0, never reads it).
+        """
+        added = [t for t in self._added_tokens_encoder if t != str(self.unk_token)]
+        if split_special_tokens or not added:
+            return [text]
+        pattern = "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
+        return [chunk for chunk in re.split(pattern, text) if chunk]
+
+    def tokenize(self, text: str, **kwargs: Any) -> list[str]:
+        split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
+        text, kwargs = self.prepare_for_tokenization(text, **kwargs)
+        pieces: list[str] = []
+        for chunk in self._chunks(text, split_special_tokens):
+            is_added = chunk in self._added_tokens_encoder and not split_special_tokens
+            pieces.extend([chunk] if is_added else self._tokenize(chunk))
+        return pieces
+
+    def _ids_and_offsets(self, text: str, split_special_tokens: bool) -> tuple[list[int], list]:
+        """Ids and character spans of one text, splitting out added tokens as ``tokenize`` does."""
+        ids, offsets, start = [], [], 0
+        for chunk in self._chunks(text, split_special_tokens):
+            if chunk in self._added_tokens_encoder and not split_special_tokens:
+                ids.append(self._added_tokens_encoder[chunk])
+                offsets.append((start, start + len(chunk)))
+            else:
+                pieces, spans = self._pieces(chunk, with_offsets=True)
+                ids.extend(self._convert_token_to_id(p) for p in pieces)
+                offsets.extend((s + start, e + start) for s, e in spans)
+            start += len(chunk)
+        return ids, offsets
+
+    # -- offsets (transformers' Python tokenizers have none) ----------------------------------------------
+    def _encode_plus(self, text, text_pair=None, return_offsets_mapping: bool = False, **kwargs):
+        if not return_offsets_mapping:
+            return super()._encode_plus(text, text_pair, **kwargs)
+        return self._encode_with_offsets(text, text_pair, **kwargs)
+
+    def _encode_with_offsets(
+        self,
+        text,
+        text_pair=None,
+        padding_strategy: PaddingStrategy = PaddingStrategy.DO_NOT_PAD,
+        truncation_strategy: TruncationStrategy = TruncationStrategy.DO_NOT_TRUNCATE,
+        max_length: int | None = None,
+        stride: int = 0,
+        pad_to_multiple_of: int | None = None,
+        padding_side: str | None = None,
+        return_tensors=None,
+        return_attention_mask: bool | None = None,
+        split_special_tokens: bool = False,
+        is_split_into_words: bool = False,
+        return_overflowing_tokens: bool = False,
+        **kwargs,
+    ) -> BatchEncoding:
+        if is_split_into_words or return_overflowing_tokens:
+            raise NotImplementedError(
+                "GPT1Tokenizer returns offsets for plain texts only (not with is_split_into_words or "
+                "return_overflowing_tokens)."
+            )
+        if isinstance(text, (list, tuple)):
+            pairs = text_pair if text_pair is not None else [None] * len(text)
+            items = [
+                self._encode_with_offsets(
+                    t,
+                    p,
+                    truncation_strategy=truncation_strategy,
+                    max_length=max_length,
+                    stride=stride,
+                    split_special_tokens=split_special_tokens,
+                    return_attention_mask=False,
+                    **kwargs,
+                )
+                for t, p in zip(text, pairs, strict=True)
+            ]
+            batch = {key: [item[key] for item in items] for key in items[0]} if items else {"input_ids": []}
+            offsets = batch.pop("offset_mapping", [])
+            padded = self.pad(
+                batch,
+                padding=padding_strategy.value,
+                max_length=max_length,
+                pad_to_multiple_of=pad_to_multiple_of,
+                padding_side=padding_side,
+                return_attention_mask=return_attention_mask,
+            )
+            padded["offset_mapping"] = [
+                self._pad_offsets(o, len(ids), padding_side)
+                for o, ids in zip(offsets, padded["input_ids"], strict=True)
+            ]
+            return BatchEncoding(dict(padded), tensor_type=return_tensors)
+
+        ids, offsets = self._ids_and_offsets(text, split_special_tokens)
+        pair_ids, pair_offsets = (
+            self._ids_and_offsets(text_pair, split_special_tokens) if text_pair is not None else (None, None)
+        )
+        total = len(ids) + len(pair_ids or [])
+        if truncation_strategy != TruncationStrategy.DO_NOT_TRUNCATE and max_length and total > max_length:
+            # Truncate (id, span) pairs with transformers' own rules so ids and spans stay together.
+            kept, kept_pair, _ = self.truncate_sequences(
+                list(zip(ids, offsets, strict=True)),
+                list(zip(pair_ids, pair_offsets, strict=True)) if pair_ids is not None else None,
+                num_tokens_to_remove=total - max_length,
+                truncation_strategy=truncation_strategy,
+                stride=stride,
+            )
+            ids, offsets = [i for i, _ in kept], [o for _, o in kept]
+            if kept_pair is not None:
+                pair_ids, pair_offsets = [i for i, _ in kept_pair], [o for _, o in kept_pair]
+        encoded = self.prepare_for_model(
+            ids,
+            pair_ids=pair_ids,
+            padding=padding_strategy.value,
+            truncation=False,
+            max_length=max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding_side=padding_side,
+            return_attention_mask=return_attention_mask,
+            **{k: v for k, v in kwargs.items() if k in _PREPARE_FOR_MODEL_FLAGS},
+        )
+        spans = offsets + (pair_offsets or [])
+        encoded["offset_mapping"] = self._pad_offsets(spans, len(encoded["input_ids"]), padding_side)
+        return BatchEncoding(
+            dict(encoded), tensor_type=return_tensors, prepend_batch_axis=bool(return_tensors)
+        )
+
+    def _pad_offsets(self, offsets: list, length: int, padding_side: str | None) -> list:
+        padding = [(0, 0)] * (length - len(offsets))
+        return (
+            padding + list(offsets)
+            if (padding_side or self.padding_side) == "left"
+            else list(offsets) + padding
+        )
+
+    # -- saving -------------------------------------------------------------------------------------------
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, str]:
+        """Write the vocabulary in the original release's format and file names."""
+        prefix = f"{filename_prefix}-" if filename_prefix else ""
+        vocab_path = os.path.join(save_directory, prefix + VOCAB_FILES_NAMES["vocab_file"])
+        merges_path = os.path.join(save_directory, prefix + VOCAB_FILES_NAMES["merges_file"])
+        with open(vocab_path, "w", encoding="utf-8") as handle:
+            json.dump(self.encoder, handle, ensure_ascii=False)
+        merges = sorted(self.bpe_ranks, key=self.bpe_ranks.__getitem__)
+        with open(merges_path, "w", encoding="utf-8") as handle:
+            handle.write("#version: 0.2\n" + "".join(" ".join(m) + "\n" for m in merges))
+        return vocab_path, merges_path
+
+
+# prepare_for_model's output flags that callers may pass through __call__.
+_PREPARE_FOR_MODEL_FLAGS = (
+    "add_special_tokens",
+    "return_token_type_ids",
+    "return_special_tokens_mask",
+    "return_length",
+    "verbose",
+)
+
+# save_pretrained copies this file beside the vocabulary and writes an `auto_map` entry, so that
+# AutoTokenizer can load GPT-1 checkpoints with trust_remote_code where hfgpt is not installed.
+GPT1Tokenizer.register_for_auto_class("AutoTokenizer")
+
+__all__ = ["FINETUNE_TOKENS", "GPT1Tokenizer", "MissingDependencyError", "text_standardize"]
