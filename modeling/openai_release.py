@@ -1,0 +1,911 @@
+"""OpenAI's original GPT-1 and GPT-2 releases: recognise them, read them, and convert them.
+
+* GPT-2 (github.com/openai/gpt-2, ``download_model.py``): a TensorFlow V2 checkpoint ``model.ckpt`` plus
+  ``hparams.json`` and the byte-level BPE files ``encoder.json`` / ``vocab.bpe``. Read with
+  :mod:`hfgpt.modeling.tf_bundle`, so no TensorFlow is needed.
+* GPT-1 (github.com/openai/finetune-transformer-lm, ``model/``): every parameter flattened, concatenated
+  in the order of ``params_shapes.json`` and cut into ``params_0.npy`` … ``params_9.npy``; ``train.py``
+  glues the shards together and splits them again by those shapes. We do the same lazily, reading each
+  parameter's byte range straight from memory-mapped shards.
+
+The name mapping is data: one table per release, each row ``(source name, parameter name, operation)``
+with ``{}`` for the layer index. The reverse direction (a state dict back to a release, used by the
+test-only writers) is derived from the same tables.
+
+Conversion streams tensor by tensor into safetensors shards written by hand (header JSON, then raw
+bytes), so peak memory stays near the largest single tensor rather than the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .tf_bundle import CheckpointError, CorruptCheckpointError, TensorBundleReader, TensorBundleWriter
+
+__all__ = [
+    "CONVERSION_ERRORS",
+    "CheckpointError",
+    "ConversionError",
+    "CorruptCheckpointError",
+    "FINETUNE_TOKENS",
+    "GPT1_EMBEDDING_MAP",
+    "GPT1_LAYER_MAP",
+    "GPT2_WEIGHT_MAP",
+    "MappedTensor",
+    "OutputExistsError",
+    "Release",
+    "TRANSFORMERS_OPENAI_GPT_NAMES",
+    "convert_release",
+    "detect_release",
+    "inspect_release",
+    "open_release",
+    "write_gpt1_release",
+    "write_gpt2_release",
+]
+
+
+class ConversionError(CheckpointError):
+    """The source is not a release we can convert (missing/extra files, wrong shapes, bad options)."""
+
+    exit_code = 3
+
+
+class OutputExistsError(ConversionError):
+    """The output folder already holds files; we never overwrite a model."""
+
+    exit_code = 5
+
+
+# Every error a conversion raises on bad input; the CLI turns these into `error: ...` and exit_code.
+CONVERSION_ERRORS = (CheckpointError,)
+
+ReleaseKind = Literal["gpt2", "gpt1"]
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+# --- operations between a source tensor and a parameter ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """A shape-changing operation from a release tensor to a parameter, with its inverse."""
+
+    name: str
+    forward: Callable[[np.ndarray], np.ndarray]
+    reverse: Callable[[np.ndarray], np.ndarray]
+    forward_shape: Callable[[tuple[int, ...]], tuple[int, ...] | None]  # None: shape not allowed
+
+
+IDENTITY = Op("identity", lambda a: a, lambda a: a, lambda s: s)
+# OpenAI's conv1d weights are [1, n_in, n_out] (model.py: `w = tf.get_variable('w', [1, nx, nf])`);
+# the Conv1D parameter is [n_in, n_out].
+SQUEEZE0 = Op(
+    "squeeze(0)",
+    lambda a: a.reshape(a.shape[1:]),
+    lambda a: a.reshape((1, *a.shape)),
+    lambda s: s[1:] if len(s) == 3 and s[0] == 1 else None,
+)
+
+# GPT-2 TensorFlow names (openai/gpt-2 src/model.py) -> parameter names (transformers' GPT2LMHeadModel).
+GPT2_WEIGHT_MAP: dict[str, tuple[str, Op]] = {
+    "model/wte": ("transformer.wte.weight", IDENTITY),
+    "model/wpe": ("transformer.wpe.weight", IDENTITY),
+    "model/h{}/ln_1/g": ("transformer.h.{}.ln_1.weight", IDENTITY),
+    "model/h{}/ln_1/b": ("transformer.h.{}.ln_1.bias", IDENTITY),
+    "model/h{}/attn/c_attn/w": ("transformer.h.{}.attn.c_attn.weight", SQUEEZE0),
+    "model/h{}/attn/c_attn/b": ("transformer.h.{}.attn.c_attn.bias", IDENTITY),
+    "model/h{}/attn/c_proj/w": ("transformer.h.{}.attn.c_proj.weight", SQUEEZE0),
+    "model/h{}/attn/c_proj/b": ("transformer.h.{}.attn.c_proj.bias", IDENTITY),
+    "model/h{}/ln_2/g": ("transformer.h.{}.ln_2.weight", IDENTITY),
+    "model/h{}/ln_2/b": ("transformer.h.{}.ln_2.bias", IDENTITY),
+    "model/h{}/mlp/c_fc/w": ("transformer.h.{}.mlp.c_fc.weight", SQUEEZE0),
+    "model/h{}/mlp/c_fc/b": ("transformer.h.{}.mlp.c_fc.bias", IDENTITY),
+    "model/h{}/mlp/c_proj/w": ("transformer.h.{}.mlp.c_proj.weight", SQUEEZE0),
+    "model/h{}/mlp/c_proj/b": ("transformer.h.{}.mlp.c_proj.bias", IDENTITY),
+    "model/ln_f/g": ("transformer.ln_f.weight", IDENTITY),
+    "model/ln_f/b": ("transformer.ln_f.bias", IDENTITY),
+}
+
+# GPT-1 has no names on disk, only an order (params_shapes.json). train.py's single embedding `we` is
+# stored as two entries: positions first, then tokens (the fine-tuning rows are added at load time).
+# The names on the left are the variables of finetune-transformer-lm's train.py `model` scope.
+GPT1_EMBEDDING_MAP: list[tuple[str, str, Op]] = [
+    ("model/we[positions]", "transformer.wpe.weight", IDENTITY),
+    ("model/we[tokens]", "transformer.wte.weight", IDENTITY),
+]
+# Then, for each layer in turn, these twelve (train.py `block`: attn, ln_1, mlp, ln_2 variable order).
+GPT1_LAYER_MAP: list[tuple[str, str, Op]] = [
+    ("model/h{}/attn/c_attn/w", "transformer.h.{}.attn.c_attn.weight", SQUEEZE0),
+    ("model/h{}/attn/c_attn/b", "transformer.h.{}.attn.c_attn.bias", IDENTITY),
+    ("model/h{}/attn/c_proj/w", "transformer.h.{}.attn.c_proj.weight", SQUEEZE0),
+    ("model/h{}/attn/c_proj/b", "transformer.h.{}.attn.c_proj.bias", IDENTITY),
+    ("model/h{}/ln_1/g", "transformer.h.{}.ln_1.weight", IDENTITY),
+    ("model/h{}/ln_1/b", "transformer.h.{}.ln_1.bias", IDENTITY),
+    ("model/h{}/mlp/c_fc/w", "transformer.h.{}.mlp.c_fc.weight", SQUEEZE0),
+    ("model/h{}/mlp/c_fc/b", "transformer.h.{}.mlp.c_fc.bias", IDENTITY),
+    ("model/h{}/mlp/c_proj/w", "transformer.h.{}.mlp.c_proj.weight", SQUEEZE0),
+    ("model/h{}/mlp/c_proj/b", "transformer.h.{}.mlp.c_proj.bias", IDENTITY),
+    ("model/h{}/ln_2/g", "transformer.h.{}.ln_2.weight", IDENTITY),
+    ("model/h{}/ln_2/b", "transformer.h.{}.ln_2.bias", IDENTITY),
+]
+
+# transformers' OpenAIGPTLMHeadModel names the two embeddings differently; everything else matches.
+TRANSFORMERS_OPENAI_GPT_NAMES = {
+    "transformer.wte.weight": "transformer.tokens_embed.weight",
+    "transformer.wpe.weight": "transformer.positions_embed.weight",
+}
+
+# finetune-transformer-lm train.py appends these after the 40,478 BPE tokens, in this order.
+FINETUNE_TOKENS = ("_start_", "_delimiter_", "_classify_")
+
+GPT2_FILES = ("checkpoint", "model.ckpt.index", "hparams.json", "encoder.json", "vocab.bpe")
+GPT1_FILES = (
+    "params_shapes.json",
+    *(f"params_{i}.npy" for i in range(10)),
+    "encoder_bpe_40000.json",
+    "vocab_40000.bpe",
+)
+_GPT2_DATA = re.compile(r"model\.ckpt\.data-\d{5}-of-\d{5}")
+_GPT1_SHARD = re.compile(r"params_\d+\.npy")
+
+
+def _layer_index(template: str, name: str) -> int | None:
+    match = re.fullmatch(re.escape(template).replace(r"\{\}", r"(\d+)"), name)
+    return int(match.group(1)) if match else None
+
+
+def gpt2_target(source: str) -> tuple[str, Op] | None:
+    """The parameter a GPT-2 TF tensor maps to, or None when the table has no row for it."""
+    for template, (target, op) in GPT2_WEIGHT_MAP.items():
+        if "{}" not in template:
+            if template == source:
+                return target, op
+            continue
+        layer = _layer_index(template, source)
+        if layer is not None:
+            return target.format(layer), op
+    return None
+
+
+def gpt1_order(n_layer: int) -> list[tuple[str, str, Op]]:
+    """GPT-1's positional order, expanded for ``n_layer`` layers: (source name, parameter name, op)."""
+    rows = list(GPT1_EMBEDDING_MAP)
+    for i in range(n_layer):
+        rows += [(src.format(i), dst.format(i), op) for src, dst, op in GPT1_LAYER_MAP]
+    return rows
+
+
+# --- reading the releases ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def detect_release(source_dir: str | Path) -> ReleaseKind:
+    """Which release ``source_dir`` holds, from its files. Raises ConversionError naming what is wrong."""
+    source_dir = Path(source_dir)
+    if not source_dir.is_dir():
+        raise ConversionError(f"source folder {source_dir} does not exist")
+    names = {p.name for p in source_dir.iterdir()}
+    looks_gpt2 = "model.ckpt.index" in names or "hparams.json" in names
+    looks_gpt1 = "params_shapes.json" in names
+    if looks_gpt2 and looks_gpt1:
+        raise ConversionError(f"{source_dir} holds files of both the GPT-1 and the GPT-2 release")
+    if not looks_gpt2 and not looks_gpt1:
+        raise ConversionError(
+            f"{source_dir} is neither a GPT-2 release (model.ckpt.index, hparams.json, ...) nor a GPT-1 "
+            "release (params_shapes.json, params_0.npy ... params_9.npy, ...)"
+        )
+    kind: ReleaseKind = "gpt2" if looks_gpt2 else "gpt1"
+    for name in GPT2_FILES if kind == "gpt2" else GPT1_FILES:
+        if name not in names:
+            raise ConversionError(f"{source_dir} looks like a {kind.upper()} release but has no {name}")
+    return kind
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"cannot read {path}: {exc}") from exc
+
+
+class GPT2Release:
+    """A GPT-2 model folder (``models/124M`` etc.). Opening reads only the index and ``hparams.json``."""
+
+    kind: ReleaseKind = "gpt2"
+
+    def __init__(self, source_dir: str | Path):
+        self.source_dir = Path(source_dir)
+        checkpoint = (self.source_dir / "checkpoint").read_text()
+        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', checkpoint, re.M)
+        if match is None:
+            raise ConversionError(f"{self.source_dir / 'checkpoint'}: no model_checkpoint_path line")
+        if Path(match.group(1)).name != "model.ckpt":
+            raise ConversionError(
+                f"{self.source_dir / 'checkpoint'} names checkpoint {match.group(1)!r}; expected model.ckpt"
+            )
+        self.hparams = _read_json(self.source_dir / "hparams.json")
+        for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
+            if not isinstance(self.hparams.get(key), int) or self.hparams[key] <= 0:
+                raise ConversionError(f"{self.source_dir / 'hparams.json'}: {key} must be a positive integer")
+        self.bundle = TensorBundleReader(self.source_dir / "model.ckpt")
+        expected = {p.name for p in self.bundle.data_files}
+        for path in self.source_dir.iterdir():
+            if _GPT2_DATA.fullmatch(path.name) and path.name not in expected:
+                raise ConversionError(
+                    f"extra file {path}: the index names {self.bundle.num_shards} data shard(s) "
+                    f"({', '.join(sorted(expected))})"
+                )
+
+    @property
+    def n_layer(self) -> int:
+        return self.hparams["n_layer"]
+
+    def tensors(self) -> list[SourceTensor]:
+        return [SourceTensor(e.name, e.dtype, e.shape) for e in self.bundle.entries.values()]
+
+    def mapping(self) -> list[tuple[str, str, Op]]:
+        rows = []
+        for name in self.bundle.entries:
+            target = gpt2_target(name)
+            if target is None:
+                raise ConversionError(
+                    f"tensor {name!r} in {self.bundle.prefix}.index has no parameter to map to"
+                )
+            rows.append((name, *target))
+        # Read in file order: one sequential pass over each data shard.
+        return sorted(
+            rows, key=lambda r: (self.bundle.entries[r[0]].shard_id, self.bundle.entries[r[0]].offset)
+        )
+
+    def get(self, name: str) -> np.ndarray:
+        return self.bundle.get(name)
+
+    def release(self, name: str) -> None:
+        self.bundle.release(name)
+
+    def close(self) -> None:
+        self.bundle.close()
+
+    def config_fields(self) -> tuple[str, dict[str, Any]]:
+        """(preset name, overrides) of the GPTConfig this release needs."""
+        h = self.hparams
+        presets = {
+            (12, 768): "gpt2",
+            (24, 1024): "gpt2-medium",
+            (36, 1280): "gpt2-large",
+            (48, 1600): "gpt2-xl",
+        }
+        preset = presets.get((h["n_layer"], h["n_embd"]), "gpt2")
+        return preset, dict(
+            vocab_size=h["n_vocab"],
+            n_positions=h["n_ctx"],
+            n_embd=h["n_embd"],
+            n_head=h["n_head"],
+            n_layer=h["n_layer"],
+        )
+
+
+@dataclass
+class _NpyShard:
+    path: Path
+    dtype: np.dtype
+    length: int
+    data_offset: int
+    mapped: mmap.mmap | None = None
+
+
+def _npy_header(path: Path) -> tuple[np.dtype, int, int]:
+    """(dtype, element count, byte offset of the data) of a 1-D .npy file, reading only its header."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(f)
+        except (ValueError, OSError) as exc:
+            raise ConversionError(f"{path} is not a valid .npy file: {exc}") from exc
+        offset = f.tell()
+    if len(shape) != 1:
+        raise ConversionError(
+            f"{path}: expected a 1-D array of flattened parameters, found shape {list(shape)}"
+        )
+    return dtype, int(shape[0]), offset
+
+
+class GPT1Release:
+    """A GPT-1 ``model/`` folder. Opening reads ``params_shapes.json`` and the ten .npy headers."""
+
+    kind: ReleaseKind = "gpt1"
+
+    def __init__(self, source_dir: str | Path, n_head: int | None = None):
+        self.source_dir = Path(source_dir)
+        shapes_path = self.source_dir / "params_shapes.json"
+        shapes = _read_json(shapes_path)
+        if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
+        ):
+            raise ConversionError(
+                f"{shapes_path}: expected a list of shapes (lists of non-negative integers)"
+            )
+        if len(shapes) < 2 or (len(shapes) - 2) % len(GPT1_LAYER_MAP):
+            raise ConversionError(
+                f"{shapes_path} lists {len(shapes)} parameters; GPT-1 has 2 embeddings plus "
+                f"{len(GPT1_LAYER_MAP)} per layer"
+            )
+        self.shapes = [tuple(s) for s in shapes]
+        self.n_layer = (len(shapes) - 2) // len(GPT1_LAYER_MAP)
+        if len(self.shapes[0]) != 2:
+            raise ConversionError(f"{shapes_path}: the first entry (positions) must be 2-D, got {shapes[0]}")
+        self.n_positions, self.n_embd = self.shapes[0]
+        self.n_vocab = self.shapes[1][0] if len(self.shapes[1]) == 2 else -1
+        # train.py hard-codes n_head=12 (its --n_head default); a release's files do not record it.
+        self.n_head = 12 if n_head is None else n_head
+        if self.n_head <= 0 or self.n_embd % self.n_head:
+            raise ConversionError(
+                f"GPT-1 n_head {self.n_head} does not divide n_embd {self.n_embd} (from {shapes_path}); "
+                "pass the right n_head (--n-head)"
+            )
+
+        for path in self.source_dir.iterdir():
+            if _GPT1_SHARD.fullmatch(path.name) and path.name not in GPT1_FILES:
+                raise ConversionError(f"extra file {path}: GPT-1 releases have params_0.npy ... params_9.npy")
+        self.shards = []
+        for i in range(10):
+            path = self.source_dir / f"params_{i}.npy"
+            dtype, length, offset = _npy_header(path)
+            if dtype != np.float32:
+                raise ConversionError(f"{path}: unsupported dtype {dtype}; the release stores float32")
+            if path.stat().st_size < offset + length * dtype.itemsize:
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: {path.stat().st_size} bytes, its header promises "
+                    f"{offset + length * dtype.itemsize}"
+                )
+            self.shards.append(_NpyShard(path, dtype, length, offset))
+        total = sum(s.length for s in self.shards)
+        needed = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        if total != needed:
+            raise ConversionError(
+                f"params_0.npy ... params_9.npy hold {total} values in all, but {shapes_path} needs {needed}"
+            )
+        self.starts = np.cumsum([0] + [s.length for s in self.shards])
+        self.offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in self.shapes])
+        self.order = gpt1_order(self.n_layer)
+        self.index = {src: i for i, (src, _, _) in enumerate(self.order)}
+
+    def tensors(self) -> list[SourceTensor]:
+        return [
+            SourceTensor(src, "float32", shape)
+            for (src, _, _), shape in zip(self.order, self.shapes, strict=True)
+        ]
+
+    def mapping(self) -> list[tuple[str, str, Op]]:
+        return list(self.order)
+
+    def _pieces(self, name: str) -> Iterator[tuple[_NpyShard, int, int]]:
+        """(shard, first element, end element) ranges that make up tensor ``name``."""
+        i = self.index[name]
+        begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        for shard, start in zip(self.shards, self.starts[:-1], strict=True):
+            lo, hi = max(begin, int(start)), min(end, int(start) + shard.length)
+            if lo < hi:
+                yield shard, lo - int(start), hi - int(start)
+
+    def get(self, name: str) -> np.ndarray:
+        """The parameter as train.py sees it after `np.split(np.concatenate(shards), offsets)`."""
+        arrays = []
+        for shard, lo, hi in self._pieces(name):
+            if shard.mapped is None:
+                with open(shard.path, "rb") as f:
+                    shard.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            arrays.append(np.frombuffer(shard.mapped, shard.dtype, hi - lo, shard.data_offset + lo * 4))
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        return flat.reshape(self.shapes[self.index[name]])
+
+    def release(self, name: str) -> None:
+        for shard, lo, hi in self._pieces(name):
+            if shard.mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+                start = shard.data_offset + lo * 4
+                page = start - start % mmap.PAGESIZE
+                shard.mapped.madvise(mmap.MADV_DONTNEED, page, shard.data_offset + hi * 4 - page)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            if shard.mapped is not None:
+                shard.mapped.close()
+                shard.mapped = None
+
+    def config_fields(self) -> tuple[str, dict[str, Any]]:
+        return "openai-gpt", dict(
+            vocab_size=self.n_vocab,
+            n_positions=self.n_positions,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            n_layer=self.n_layer,
+        )
+
+
+Release = GPT2Release | GPT1Release
+
+
+def open_release(source_dir: str | Path, *, n_head: int | None = None) -> Release:
+    """Open whichever release ``source_dir`` holds (``n_head`` only matters for GPT-1, see GPT1Release)."""
+    kind = detect_release(source_dir)
+    if kind == "gpt2":
+        if n_head is not None:
+            raise ConversionError("n_head comes from hparams.json for GPT-2 releases; do not pass it")
+        return GPT2Release(source_dir)
+    return GPT1Release(source_dir, n_head=n_head)
+
+
+# --- the conversion plan ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MappedTensor:
+    """One parameter of the output and where it comes from."""
+
+    source: str
+    source_dtype: str
+    source_shape: tuple[int, ...]
+    target: str
+    shape: tuple[int, ...]
+    op: Op
+    extra_rows: np.ndarray | None = field(default=None, repr=False)  # GPT-1 fine-tuning embeddings
+
+
+def _expected_shapes(config: Any, fmt: Literal["hfgpt", "transformers"]) -> dict[str, tuple[int, ...]]:
+    """Every stored parameter of the output model with its shape, from the model itself on `meta`."""
+    import torch
+
+    with torch.device("meta"):
+        model = _model_for(config, fmt)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    shapes = {}
+    for name, tensor in model.state_dict().items():
+        if name in tied or name == "lm_head.weight":  # tied to wte, not stored
+            continue
+        shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def _model_for(config: Any, fmt: str) -> Any:
+    if fmt == "hfgpt":
+        from hfgpt.modeling import GPTForCausalLM
+
+        return GPTForCausalLM(config)
+    from transformers import GPT2LMHeadModel, OpenAIGPTLMHeadModel
+
+    return (GPT2LMHeadModel if config.model_type == "gpt2" else OpenAIGPTLMHeadModel)(config)
+
+
+def build_config(
+    release: Release,
+    *,
+    fmt: Literal["hfgpt", "transformers"] = "hfgpt",
+    add_finetune_tokens: bool = False,
+    dtype: DType = "float32",
+) -> Any:
+    """The config of the converted model: the release's preset with the released hyper-parameters."""
+    preset, fields = release.config_fields()
+    if add_finetune_tokens:
+        fields["vocab_size"] += len(FINETUNE_TOKENS)
+    if fmt == "hfgpt":
+        from hfgpt.modeling import GPTConfig
+
+        if add_finetune_tokens:
+            fields["classify_token_id"] = fields["vocab_size"] - 1
+        config = GPTConfig.from_preset(preset, **fields)
+        config.architectures = ["GPTForCausalLM"]
+    elif release.kind == "gpt2":
+        from transformers import GPT2Config
+
+        config = GPT2Config(**fields)
+        config.architectures = ["GPT2LMHeadModel"]
+    else:
+        from transformers import OpenAIGPTConfig
+
+        config = OpenAIGPTConfig(**fields)  # afn "gelu" is the tanh GELU there (modeling_openai.ACT_FNS)
+        config.architectures = ["OpenAIGPTLMHeadModel"]
+    config.dtype = dtype
+    return config
+
+
+def plan_conversion(
+    release: Release,
+    config: Any,
+    *,
+    fmt: Literal["hfgpt", "transformers"] = "hfgpt",
+    add_finetune_tokens: bool = False,
+    seed: int = 42,
+) -> list[MappedTensor]:
+    """Map every source tensor to a parameter, checking names and shapes against the model.
+
+    Raises ConversionError naming the key when a source tensor is unused, a parameter unfilled, or a
+    shape disagrees with the hyper-parameters.
+    """
+    if add_finetune_tokens and release.kind != "gpt1":
+        raise ConversionError("--add-finetune-tokens applies to GPT-1 releases only")
+    expected = _expected_shapes(config, fmt)
+    sources = {t.name: t for t in release.tensors()}
+    hparams_file = "hparams.json" if release.kind == "gpt2" else "params_shapes.json"
+    plan, filled = [], {}
+    for source, target, op in release.mapping():
+        if fmt == "transformers" and release.kind == "gpt1":
+            target = TRANSFORMERS_OPENAI_GPT_NAMES.get(target, target)
+        if target not in expected:
+            raise ConversionError(
+                f"tensor {source!r} maps to {target!r}, which the model (from {hparams_file}) does not have"
+            )
+        if target in filled:
+            raise ConversionError(f"tensors {filled[target]!r} and {source!r} both map to {target!r}")
+        info = sources[source]
+        shape = op.forward_shape(info.shape)
+        extra = None
+        if add_finetune_tokens and target == _embedding_name(fmt, release.kind) and shape is not None:
+            # train.py: `(np.random.randn(n_special, n_embd) * 0.02).astype(np.float32)` after the tokens.
+            rng = np.random.RandomState(seed)
+            extra = (rng.randn(len(FINETUNE_TOKENS), shape[1]) * 0.02).astype(np.float32)
+            shape = (shape[0] + len(FINETUNE_TOKENS), shape[1])
+        if shape != expected[target]:
+            raise ConversionError(
+                f"tensor {source!r} has shape {list(info.shape)}, which does not give {target!r} the shape "
+                f"{list(expected[target])} that {hparams_file} implies"
+            )
+        if info.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise ConversionError(
+                f"tensor {source!r} has dtype {info.dtype}; expected floating-point weights"
+            )
+        filled[target] = source
+        plan.append(MappedTensor(source, info.dtype, info.shape, target, shape, op, extra))
+    missing = sorted(set(expected) - set(filled))
+    if missing:
+        raise ConversionError(
+            f"parameter {missing[0]!r} has no source tensor in the release"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    return plan
+
+
+def _embedding_name(fmt: str, kind: str) -> str:
+    name = "transformer.wte.weight"
+    return TRANSFORMERS_OPENAI_GPT_NAMES[name] if fmt == "transformers" and kind == "gpt1" else name
+
+
+def inspect_release(source_dir: str | Path, *, n_head: int | None = None) -> list[MappedTensor]:
+    """Every tensor of the release with the parameter it maps to, from the index alone (no weights)."""
+    release = open_release(source_dir, n_head=n_head)
+    try:
+        return plan_conversion(release, build_config(release))
+    finally:
+        release.close()
+
+
+# --- safetensors, written as a stream ---------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def parse_size(size: int | str) -> int:
+    """ "5GB" / "500MB" / 1000 -> bytes (decimal units, as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.I)
+    if match is None:
+        raise ConversionError(f"cannot read size {size!r}; write e.g. 5GB or 500MB")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(float(match.group(1)) * units[(match.group(2) or "B").upper()])
+
+
+def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | bytes:
+    if dtype == "bfloat16":
+        import torch  # numpy has no bfloat16; torch rounds to nearest even
+
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16)
+        return tensor.view(torch.int16).numpy()
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _source_array(release: Release, item: MappedTensor) -> np.ndarray:
+    array = release.get(item.source)
+    if item.source_dtype == "bfloat16":
+        import torch
+
+        array = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    array = item.op.forward(array)
+    if item.extra_rows is not None:
+        array = np.concatenate([array, item.extra_rows.astype(array.dtype)])
+    return array
+
+
+def write_safetensors_shards(
+    out_dir: Path,
+    plan: list[MappedTensor],
+    fetch: Callable[[MappedTensor], np.ndarray],
+    after: Callable[[MappedTensor], None],
+    *,
+    dtype: DType,
+    max_shard_size: int,
+) -> list[str]:
+    """Stream ``plan`` into ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + index.
+
+    Each file is the safetensors layout (8-byte header length, JSON header, raw little-endian bytes);
+    only one tensor is held in memory at a time. Returns the file names written.
+    """
+    itemsize = _ITEMSIZE[dtype]
+    groups: list[list[MappedTensor]] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = int(np.prod(item.shape, dtype=np.int64)) * itemsize
+        if groups[-1] and size + nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map, total = {}, 0
+    for name, group in zip(names, groups, strict=True):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for item in group:
+            nbytes = int(np.prod(item.shape, dtype=np.int64)) * itemsize
+            header[item.target] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(item.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            weight_map[item.target] = name
+        total += offset
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned (safetensors spec)
+        with open(out_dir / name, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for item in group:
+                data = _cast(fetch(item), dtype)
+                f.write(memoryview(data).cast("B") if data.size else b"")
+                del data
+                after(item)
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+# --- tokenizer, model card, the whole conversion ----------------------------------------------------------
+
+
+def _save_tokenizer(release: Release, out_dir: Path, fmt: str, add_finetune_tokens: bool) -> None:
+    """Save the tokenizer matching the release next to the weights.
+
+    hfgpt format: hfgpt's own tokenizers (`hfgpt.tokenization`), which reproduce OpenAI's encoders.
+    transformers format: transformers' GPT2/OpenAIGPT tokenizers built from the release's own files.
+    """
+    src = release.source_dir
+    if fmt == "hfgpt":
+        try:
+            from hfgpt.tokenization import GPT1Tokenizer, GPT2Tokenizer
+        except ImportError:
+            # HOOK: hfgpt.tokenization is written in parallel; until it exports GPT2Tokenizer/GPT1Tokenizer,
+            # fall back to transformers' tokenizers so that AutoTokenizer still loads the output.
+            fmt = "transformers"
+        else:
+            tokenizer = GPT2Tokenizer() if release.kind == "gpt2" else GPT1Tokenizer()
+            _add_finetune_tokens(tokenizer, add_finetune_tokens)
+            tokenizer.save_pretrained(out_dir)
+            return
+    if release.kind == "gpt2":
+        from transformers import GPT2Tokenizer as HFGPT2Tokenizer
+
+        tokenizer = HFGPT2Tokenizer(vocab=str(src / "encoder.json"), merges=str(src / "vocab.bpe"))
+    else:
+        from transformers import OpenAIGPTTokenizer
+
+        tokenizer = OpenAIGPTTokenizer(
+            vocab=str(src / "encoder_bpe_40000.json"), merges=str(src / "vocab_40000.bpe")
+        )
+    _add_finetune_tokens(tokenizer, add_finetune_tokens)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _add_finetune_tokens(tokenizer: Any, add: bool) -> None:
+    if not add:
+        return
+    first = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(FINETUNE_TOKENS)})
+    ids = tokenizer.convert_tokens_to_ids(list(FINETUNE_TOKENS))
+    if ids != list(range(first, first + len(FINETUNE_TOKENS))):
+        raise ConversionError(f"fine-tuning tokens got ids {ids}, expected {first}..{first + 2}")
+
+
+def _write_model_card(release: Release, out_dir: Path, config: Any, fmt: str, dtype: str) -> None:
+    name = _model_card_name(release, config)
+    try:
+        from hfgpt.model_cards import render_model_card
+    except ImportError:
+        render_model_card = None
+    if render_model_card is not None:
+        render_model_card(name, config=config, source=str(release.source_dir)).save(out_dir / "README.md")
+        return
+    # HOOK: without hfgpt.model_cards, a minimal card.
+    source = "openai/gpt-2" if release.kind == "gpt2" else "openai/finetune-transformer-lm"
+    (out_dir / "README.md").write_text(
+        f"---\nlicense: mit\nlibrary_name: transformers\n---\n\n# {name}\n\n"
+        f"OpenAI's original {'GPT-2' if release.kind == 'gpt2' else 'GPT-1'} weights "
+        f"(github.com/{source}), converted with `hfgpt-convert` to {dtype} safetensors ({fmt} format).\n"
+    )
+
+
+def _model_card_name(release: Release, config: Any) -> str:
+    if release.kind == "gpt1":
+        return "openai-gpt"
+    return {12: "gpt2", 24: "gpt2-medium", 36: "gpt2-large", 48: "gpt2-xl"}.get(config.n_layer, "gpt2")
+
+
+def _check_output(output_dir: Path) -> None:
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        what = "a model" if (output_dir / "config.json").exists() else "files"
+        raise OutputExistsError(
+            f"output folder {output_dir} already holds {what}; choose an empty or new folder"
+        )
+
+
+def convert_release(
+    source_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    dtype: DType = "float32",
+    fmt: Literal["hfgpt", "transformers"] = "hfgpt",
+    add_finetune_tokens: bool = False,
+    seed: int = 42,
+    n_head: int | None = None,
+    max_shard_size: int | str = "5GB",
+    tokenizer: bool = True,
+    model_card: bool = True,
+) -> Path:
+    """Convert an OpenAI release folder into a complete checkpoint in ``output_dir``; returns its path.
+
+    Everything is written to a temporary folder beside ``output_dir`` and moved into place at the end,
+    so a failure leaves no half-written output. Raises a ``CheckpointError`` subclass on bad input.
+    """
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ConversionError(f"unsupported dtype {dtype!r}; choose float32, float16 or bfloat16")
+    if fmt not in ("hfgpt", "transformers"):
+        raise ConversionError(f"unsupported format {fmt!r}; choose hfgpt or transformers")
+    output_dir = Path(output_dir)
+    _check_output(output_dir)
+    max_shard = parse_size(max_shard_size)
+    release = open_release(source_dir, n_head=n_head)
+    try:
+        config = build_config(release, fmt=fmt, add_finetune_tokens=add_finetune_tokens, dtype=dtype)
+        plan = plan_conversion(release, config, fmt=fmt, add_finetune_tokens=add_finetune_tokens, seed=seed)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+        try:
+            write_safetensors_shards(
+                tmp,
+                plan,
+                lambda item: _source_array(release, item),
+                lambda item: release.release(item.source),
+                dtype=dtype,
+                max_shard_size=max_shard,
+            )
+            config.save_pretrained(tmp)
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            if tokenizer:
+                _save_tokenizer(release, tmp, fmt, add_finetune_tokens)
+            if model_card:
+                _write_model_card(release, tmp, config, fmt, dtype)
+            _check_output(output_dir)
+            if output_dir.exists():
+                output_dir.rmdir()  # empty, checked just above
+            os.replace(tmp, output_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        release.close()
+    return output_dir
+
+
+# --- building releases from a state dict (tests, benchmarks) ----------------------------------------------
+
+
+def _reverse_gpt2() -> dict[str, tuple[str, Op]]:
+    return {target: (source, op) for source, (target, op) in GPT2_WEIGHT_MAP.items()}
+
+
+def write_gpt2_release(
+    state_dict: Mapping[str, np.ndarray],
+    output_dir: str | Path,
+    hparams: Mapping[str, int],
+    *,
+    vocab_dir: str | Path | None = None,
+    **writer_options: Any,
+) -> Path:
+    """Write a GPT-2 release folder from a parameter state dict, through the reverse of GPT2_WEIGHT_MAP.
+
+    ``vocab_dir`` provides ``encoder.json`` / ``vocab.bpe`` to copy; ``writer_options`` go to
+    :class:`~hfgpt.modeling.tf_bundle.TensorBundleWriter` (shards, compression).
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    reverse = _reverse_gpt2()
+    tensors = {}
+    for target, array in state_dict.items():
+        if target == "lm_head.weight":  # tied to wte; the release stores it once
+            continue
+        for template, (source, op) in reverse.items():
+            layer = (
+                _layer_index(template, target) if "{}" in template else (0 if template == target else None)
+            )
+            if layer is not None:
+                tensors[source.format(layer)] = op.reverse(np.asarray(array))
+                break
+        else:
+            raise ConversionError(f"parameter {target!r} has no GPT-2 release name")
+    TensorBundleWriter(output_dir / "model.ckpt", **writer_options).write(tensors)
+    (output_dir / "checkpoint").write_text(
+        'model_checkpoint_path: "model.ckpt"\nall_model_checkpoint_paths: "model.ckpt"\n'
+    )
+    (output_dir / "hparams.json").write_text(json.dumps(dict(hparams)))
+    _copy_vocab(vocab_dir, output_dir, ("encoder.json", "vocab.bpe"))
+    return output_dir
+
+
+def write_gpt1_release(
+    state_dict: Mapping[str, np.ndarray],
+    output_dir: str | Path,
+    *,
+    vocab_dir: str | Path | None = None,
+    num_shards: int = 10,
+) -> Path:
+    """Write a GPT-1 release folder (params_shapes.json + params_{i}.npy) from a parameter state dict."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    n_layer = 1 + max(int(k.split(".")[2]) for k in state_dict if k.startswith("transformer.h."))
+    arrays = [
+        op.reverse(np.asarray(state_dict[target], dtype=np.float32)) for _, target, op in gpt1_order(n_layer)
+    ]
+    (output_dir / "params_shapes.json").write_text(json.dumps([list(a.shape) for a in arrays]))
+    flat = np.concatenate([a.ravel() for a in arrays])
+    for i, part in enumerate(np.array_split(flat, num_shards)):
+        np.save(output_dir / f"params_{i}.npy", part)
+    _copy_vocab(vocab_dir, output_dir, ("encoder_bpe_40000.json", "vocab_40000.bpe"))
+    return output_dir
+
+
+def _copy_vocab(vocab_dir: str | Path | None, output_dir: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        if vocab_dir is not None:
+            shutil.copyfile(Path(vocab_dir) / name, output_dir / name)
+        else:
+            (output_dir / name).write_text("")

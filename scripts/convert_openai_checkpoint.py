@@ -1,0 +1,137 @@
+"""Convert OpenAI's original GPT-1 / GPT-2 release folders into Hugging Face checkpoints, without TensorFlow.
+
+    hfgpt-convert models/124M gpt2-hf                  # GPT-2 release (model.ckpt.*, hparams.json, ...)
+    hfgpt-convert finetune-transformer-lm/model gpt1-hf --add-finetune-tokens
+    hfgpt-convert models/1558M gpt2-xl-hf --dtype float16 --format transformers
+    hfgpt-convert --inspect models/124M                # list tensors and their parameters; loads no weights
+
+The output folder then loads with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
+(after `import hfgpt.modeling`; with `--format transformers`, with plain transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Literal
+
+from hfgpt.modeling.openai_release import (
+    CONVERSION_ERRORS,
+    convert_release,
+    inspect_release,
+)
+
+__all__ = ["convert_openai_checkpoint", "format_inspection", "main"]
+
+
+def convert_openai_checkpoint(
+    source_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+    format: Literal["hfgpt", "transformers"] = "hfgpt",  # noqa: A002 - mirrors the --format option
+    add_finetune_tokens: bool = False,
+    seed: int = 42,
+    n_head: int | None = None,
+    max_shard_size: int | str = "5GB",
+    push_to_hub: str | None = None,
+) -> Path:
+    """Convert the release in ``source_dir`` into ``output_dir`` (see :func:`convert_release`).
+
+    ``push_to_hub``: a repo id to upload the finished folder to, through ``hfgpt.scripts.push_to_hub``.
+    """
+    out = convert_release(
+        source_dir,
+        output_dir,
+        dtype=dtype,
+        fmt=format,
+        add_finetune_tokens=add_finetune_tokens,
+        seed=seed,
+        n_head=n_head,
+        max_shard_size=max_shard_size,
+    )
+    if push_to_hub:
+        from hfgpt.scripts.push_to_hub import push_to_hub as push  # imported only when asked for
+
+        push(out, push_to_hub)
+    return out
+
+
+def format_inspection(source_dir: str | Path, n_head: int | None = None) -> str:
+    """The --inspect table: every release tensor, its dtype and shape, and the parameter it fills."""
+    rows = [("source tensor", "dtype", "shape", "operation", "parameter", "shape")]
+    for item in inspect_release(source_dir, n_head=n_head):
+        rows.append(
+            (
+                item.source,
+                item.source_dtype,
+                str(list(item.source_shape)),
+                item.op.name,
+                item.target,
+                str(list(item.shape)),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hfgpt-convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "source_dir", type=Path, help="the release folder (GPT-2 models/<size> or GPT-1 model/)"
+    )
+    parser.add_argument(
+        "output_dir", type=Path, nargs="?", help="where to write the checkpoint (new or empty)"
+    )
+    parser.add_argument("--inspect", action="store_true", help="list the release's tensors and exit")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--format",
+        choices=["hfgpt", "transformers"],
+        default="hfgpt",
+        dest="fmt",
+        help="hfgpt models, or transformers' own GPT2LMHeadModel / OpenAIGPTLMHeadModel",
+    )
+    parser.add_argument(
+        "--add-finetune-tokens",
+        action="store_true",
+        help="GPT-1: add _start_, _delimiter_, _classify_ (ids 40478-40480), rows ~ N(0, 0.02)",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="seed of the fine-tuning token rows")
+    parser.add_argument(
+        "--n-head",
+        type=int,
+        default=None,
+        help="GPT-1 only: attention heads (not recorded in the release; train.py uses 12)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="split safetensors above this size")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result")
+    args = parser.parse_args(argv)
+    try:
+        if args.inspect:
+            print(format_inspection(args.source_dir, n_head=args.n_head))
+            return 0
+        if args.output_dir is None:
+            parser.error("OUTPUT_DIR is required unless --inspect is given")
+        out = convert_openai_checkpoint(
+            args.source_dir,
+            args.output_dir,
+            dtype=args.dtype,
+            format=args.fmt,
+            add_finetune_tokens=args.add_finetune_tokens,
+            seed=args.seed,
+            n_head=args.n_head,
+            max_shard_size=args.max_shard_size,
+            push_to_hub=args.push_to_hub,
+        )
+    except CONVERSION_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
