@@ -1,0 +1,280 @@
+"""Upload an hfgpt checkpoint folder to the Hugging Face Hub.
+
+    hfgpt-push gpt2-hf my-name/gpt2-hfgpt
+    hfgpt-push runs/sst2/final my-name/gpt2-sst2 --private --revision experiment-1 --commit-message "SST-2 run"
+
+The folder must hold what `save_pretrained` writes: safetensors weights, `config.json`, the tokenizer files
+and (for generating heads) `generation_config.json`. What lands in the repo on top of them: a `README.md`
+model card when the folder has none, and for hfgpt checkpoints `config.json`'s `auto_map` for every head
+plus the code files it names, so that the repo loads with `trust_remote_code=True` where hfgpt is not
+installed. The folder itself is never modified.
+
+The token is the one huggingface_hub finds (the `HF_TOKEN` environment variable, else the login saved by
+`hf auth login`); it is sent to the Hub and written nowhere. Set `HF_ENDPOINT` to push to another Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+__all__ = ["PushError", "collect_upload", "main", "push_to_hub"]
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+# Files `Trainer` leaves in a checkpoint folder that are training state, not model: not uploaded.
+NOT_UPLOADED = (
+    "optimizer.pt",  # optimizer state, as large as the model again (twice with Adam)
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "training_args.bin",  # a pickle of TrainingArguments
+    "pytorch_model*.bin",  # pickle weights: the safetensors ones are uploaded instead
+    ".*",  # hidden files and folders (.git, .cache, editor files)
+)
+
+# Heads that generate text and so need generation_config.json.
+GENERATING_HEADS = ("ForCausalLM", "DoubleHeadsModel", "LMHeadModel")
+
+_IMPORTS_HFGPT = re.compile(r"^\s*(from|import)\s+hfgpt\b", re.MULTILINE)
+_COMMIT_ID = re.compile(r"^[0-9a-f]{40}$")
+
+
+class PushError(Exception):
+    """A push refused or failed; the message says why and what to do."""
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise PushError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise PushError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _weight_files(model_dir: Path) -> list[str]:
+    if (model_dir / WEIGHTS).is_file():
+        return [WEIGHTS]
+    if (model_dir / WEIGHTS_INDEX).is_file():
+        shards = sorted(set(_load_json(model_dir / WEIGHTS_INDEX).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if not shards or missing:
+            raise PushError(
+                f"{model_dir / WEIGHTS_INDEX} lists shards that are not in the folder: "
+                f"{', '.join(missing) or '(no shards at all)'}"
+            )
+        return [WEIGHTS_INDEX, *shards]
+    pickles = sorted(p.name for p in model_dir.glob("pytorch_model*.bin"))
+    hint = (
+        f" (found only pickle weights {', '.join(pickles)}: save with safe_serialization=True, the default)"
+        if pickles
+        else ""
+    )
+    raise PushError(f"no safetensors weights in {model_dir}: expected {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
+
+
+def _remote_code(model_dir: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """For an hfgpt checkpoint: the config with `auto_map` covering every head, and the code files that
+    `auto_map` names (plus what they import relatively) which the folder lacks, taken from the installed
+    hfgpt.modeling."""
+    import hfgpt.modeling.modeling_hfgpt as modeling
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    config = {**config, "auto_map": {**(config.get("auto_map") or {}), **modeling.AUTO_MAP}}
+    package_dir = Path(modeling.__file__).parent  # the sources trust_remote_code users will run
+    needed = {ref.split(".")[0] + ".py" for ref in config["auto_map"].values()}
+    for name in list(needed):
+        needed.update(Path(f).name for f in get_relative_import_files(package_dir / name))
+    extra = {}
+    for name in sorted(needed):
+        source = model_dir / name if (model_dir / name).is_file() else package_dir / name
+        if _IMPORTS_HFGPT.search(source.read_text(encoding="utf-8")):
+            raise PushError(
+                f"{source} imports hfgpt, so the repo would not load with trust_remote_code where hfgpt is "
+                "not installed; code files must import their siblings relatively"
+            )
+        if source.parent != model_dir:
+            extra[name] = source
+    return config, extra
+
+
+def collect_upload(
+    model_dir: str | Path, repo_id: str | None = None, *, model_card: bool = True
+) -> list[CommitOperationAdd]:
+    """Check `model_dir` is a complete checkpoint and list what to upload, without touching the network.
+
+    Raises PushError naming what is missing (weights, config, tokenizer, generation config).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise PushError(f"model folder {model_dir} does not exist or is not a folder")
+    if not (model_dir / "config.json").is_file():
+        raise PushError(f"no config.json in {model_dir}: is it a save_pretrained folder?")
+    config = _load_json(model_dir / "config.json")
+    weights = _weight_files(model_dir)
+
+    if not (model_dir / "tokenizer_config.json").is_file():
+        raise PushError(
+            f"no tokenizer in {model_dir} (tokenizer_config.json): save it next to the model with "
+            "tokenizer.save_pretrained(model_dir)"
+        )
+    architectures = config.get("architectures") or []
+    if (
+        any(a.endswith(GENERATING_HEADS) for a in architectures)
+        and not (model_dir / "generation_config.json").is_file()
+    ):
+        raise PushError(
+            f"no generation_config.json in {model_dir} for the generating head {architectures[0]}: "
+            "save the model with model.save_pretrained(model_dir)"
+        )
+
+    replaced: dict[str, bytes] = {}
+    extra_files: dict[str, Path] = {}
+    if config.get("model_type") == "hfgpt":
+        new_config, extra_files = _remote_code(model_dir, config)
+        if new_config != config:
+            replaced["config.json"] = (json.dumps(new_config, indent=2, sort_keys=True) + "\n").encode()
+    if model_card and not (model_dir / "README.md").is_file():
+        from hfgpt.model_cards import render_model_card
+
+        facts = {"repo_id": repo_id} if repo_id else {}
+        replaced["README.md"] = str(render_model_card("trained", config=config, **facts)).encode()
+
+    operations = []
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(model_dir).as_posix()
+        if rel in replaced or any(
+            fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in NOT_UPLOADED
+        ):
+            continue
+        operations.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)))
+    operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=data) for n, data in replaced.items()]
+    operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(p)) for n, p in extra_files.items()]
+    uploaded = {op.path_in_repo for op in operations}
+    assert set(weights) <= uploaded, "weights are never filtered out"
+    return operations
+
+
+def _is_transport_error(err: BaseException) -> bool:
+    """A connection that failed or broke (as opposed to an answer from the Hub). huggingface_hub raises
+    its HTTP client's exceptions (httpx / httpx2), sometimes wrapped in RuntimeError."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ConnectionError) or type(seen).__module__.split(".")[0] in ("httpx", "httpx2"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def push_to_hub(
+    model_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    *,
+    endpoint: str | None = None,
+) -> CommitInfo:
+    """Upload the checkpoint in `model_dir` to the model repo `repo_id`, creating the repo if needed.
+
+    Args:
+        model_dir: a folder written by `save_pretrained` (model and tokenizer).
+        repo_id: "namespace/name" on the Hub.
+        private: create the repo private; refuses to push to an existing public repo.
+        revision: branch to commit to (created from main if missing); default main.
+        commit_message: defaults to "Upload <folder name> with hfgpt".
+        token: a Hub token; default the one huggingface_hub finds (HF_TOKEN, else the saved login).
+        endpoint: the Hub's URL; default huggingface_hub's (HF_ENDPOINT, else huggingface.co).
+
+    Returns:
+        huggingface_hub's `CommitInfo` (`.commit_url`, `.oid`, `.repo_url`).
+
+    Raises:
+        PushError: incomplete folder, missing or refused token, a Hub error, or an interrupted upload
+            (run the same push again: files the Hub already received are not sent twice).
+    """
+    operations = collect_upload(model_dir, repo_id)
+    if revision is not None and _COMMIT_ID.match(revision):
+        raise PushError(f"--revision {revision} is a commit id; commits go to a branch, give a branch name")
+    api = HfApi(endpoint=endpoint, token=token)
+    where = api.endpoint
+    try:
+        user = api.whoami()["name"]
+    except LocalTokenNotFoundError as err:
+        raise PushError(
+            f"no Hugging Face token found: pushing to {repo_id} needs a token with write access "
+            "(set HF_TOKEN or run `hf auth login`)"
+        ) from err
+    except HfHubHTTPError as err:
+        if err.response is not None and err.response.status_code == 401:
+            raise PushError(f"the Hub at {where} refused the token: {str(err).splitlines()[0]}") from err
+        raise PushError(f"could not check the token with the Hub at {where}: {err}") from err
+    except Exception as err:
+        if _is_transport_error(err):
+            raise PushError(f"cannot reach the Hub at {where}: {err}") from err
+        raise
+
+    message = commit_message or f"Upload {Path(model_dir).resolve().name} with hfgpt"
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if private and not api.repo_info(repo_id).private:
+            raise PushError(
+                f"{repo_id} already exists and is public; refusing to push what was asked private"
+            )
+        if revision is not None and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+    except PushError:
+        raise
+    except HfHubHTTPError as err:
+        raise PushError(f"the Hub refused the push to {repo_id} (as {user}): {err}") from err
+    except ValueError as err:  # huggingface_hub's answer to a README the Hub's validate-yaml rejects
+        raise PushError(f"cannot push to {repo_id}: {err}") from err
+    except Exception as err:
+        if _is_transport_error(err):
+            raise PushError(
+                f"upload to {where} was interrupted ({err}); nothing was "
+                f"committed to {repo_id}. Run the same push again to finish it: files the Hub already "
+                "received are not sent twice."
+            ) from err
+        raise
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hfgpt-push", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path, help="folder written by save_pretrained")
+    parser.add_argument("repo_id", help="namespace/name of the model repo")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    parser.add_argument("--revision", "--branch", dest="revision", help="branch to push to (default main)")
+    parser.add_argument("--commit-message", help="message of the commit")
+    args = parser.parse_args(argv)
+    try:
+        info = push_to_hub(
+            args.model_dir,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+        )
+    except PushError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed {args.model_dir} to {info.commit_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
