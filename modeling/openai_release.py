@@ -18,6 +18,7 @@ bytes), so peak memory stays near the largest single tensor rather than the whol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -432,7 +433,9 @@ class GPT1Release:
     def close(self) -> None:
         for shard in self.shards:
             if shard.mapped is not None:
-                shard.mapped.close()
+                # Arrays from get() may still view the map; then it unmaps when they are freed.
+                with contextlib.suppress(BufferError):
+                    shard.mapped.close()
                 shard.mapped = None
 
     def config_fields(self) -> tuple[str, dict[str, Any]]:
@@ -702,25 +705,26 @@ def write_safetensors_shards(
 
 
 def _save_tokenizer(release: Release, out_dir: Path, fmt: str, add_finetune_tokens: bool) -> None:
-    """Save the tokenizer matching the release next to the weights.
+    """Save the tokenizer of the release, built from the release's own vocabulary files.
 
-    hfgpt format: hfgpt's own tokenizers (`hfgpt.tokenization`), which reproduce OpenAI's encoders.
-    transformers format: transformers' GPT2/OpenAIGPT tokenizers built from the release's own files.
+    hfgpt format: hfgpt's tokenizers (GPT-1's reproduces the original ftfy + spaCy pipeline).
+    transformers format: transformers' GPT2Tokenizer / OpenAIGPTTokenizer, so plain transformers loads it.
     """
     src = release.source_dir
     if fmt == "hfgpt":
-        try:
-            from hfgpt.tokenization import GPT1Tokenizer, GPT2Tokenizer
-        except ImportError:
-            # HOOK: hfgpt.tokenization is written in parallel; until it exports GPT2Tokenizer/GPT1Tokenizer,
-            # fall back to transformers' tokenizers so that AutoTokenizer still loads the output.
-            fmt = "transformers"
+        from hfgpt.tokenization import GPT1Tokenizer, GPT2Tokenizer
+
+        if release.kind == "gpt2":
+            tokenizer = GPT2Tokenizer(vocab=str(src / "encoder.json"), merges=str(src / "vocab.bpe"))
         else:
-            tokenizer = GPT2Tokenizer() if release.kind == "gpt2" else GPT1Tokenizer()
-            _add_finetune_tokens(tokenizer, add_finetune_tokens)
-            tokenizer.save_pretrained(out_dir)
-            return
-    if release.kind == "gpt2":
+            tokenizer = GPT1Tokenizer(
+                vocab_file=src / "encoder_bpe_40000.json",
+                merges_file=src / "vocab_40000.bpe",
+                add_finetune_tokens=add_finetune_tokens,
+            )
+            _check_finetune_ids(tokenizer, add_finetune_tokens)
+            add_finetune_tokens = False  # done by the tokenizer itself
+    elif release.kind == "gpt2":
         from transformers import GPT2Tokenizer as HFGPT2Tokenizer
 
         tokenizer = HFGPT2Tokenizer(vocab=str(src / "encoder.json"), merges=str(src / "vocab.bpe"))
@@ -730,16 +734,18 @@ def _save_tokenizer(release: Release, out_dir: Path, fmt: str, add_finetune_toke
         tokenizer = OpenAIGPTTokenizer(
             vocab=str(src / "encoder_bpe_40000.json"), merges=str(src / "vocab_40000.bpe")
         )
-    _add_finetune_tokens(tokenizer, add_finetune_tokens)
+    if add_finetune_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(FINETUNE_TOKENS)})
+        _check_finetune_ids(tokenizer, True)
     tokenizer.save_pretrained(out_dir)
 
 
-def _add_finetune_tokens(tokenizer: Any, add: bool) -> None:
-    if not add:
+def _check_finetune_ids(tokenizer: Any, added: bool) -> None:
+    """The fine-tuning tokens must take the rows the weights give them: right after the BPE vocabulary."""
+    if not added:
         return
-    first = len(tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(FINETUNE_TOKENS)})
     ids = tokenizer.convert_tokens_to_ids(list(FINETUNE_TOKENS))
+    first = len(tokenizer) - len(FINETUNE_TOKENS)
     if ids != list(range(first, first + len(FINETUNE_TOKENS))):
         raise ConversionError(f"fine-tuning tokens got ids {ids}, expected {first}..{first + 2}")
 

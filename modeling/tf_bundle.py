@@ -22,6 +22,7 @@ the index and data files TensorFlow's own ``Saver`` wrote byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -549,11 +550,16 @@ class TensorBundleReader:
 
     def close(self) -> None:
         for mapped in self._maps.values():
-            mapped.close()
+            # Arrays returned by get() may still view the map; then it unmaps when they are freed.
+            with contextlib.suppress(BufferError):
+                mapped.close()
         self._maps.clear()
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self.entries
