@@ -1,0 +1,251 @@
+"""GPT-1 tokenizer: the original TextEncoder's ids, fine-tuning tokens, offsets, decoding, saving."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hfgpt.tokenization import FINETUNE_TOKENS, GPT1Tokenizer, MissingDependencyError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "openai-gpt1-tiny"
+EXPECTED = json.loads((FIXTURE / "expected_texts.json").read_text(encoding="utf-8"))
+
+
+class ReferenceTextEncoder:
+    """An independent transcription of finetune-transformer-lm's text_utils.TextEncoder.encode, written
+    from its description: ftfy, text_standardize, spaCy's English rules, lower-case, BPE with </w>,
+    pieces looked up with 0 for anything missing."""
+
+    def __init__(self) -> None:
+        import ftfy
+        import spacy
+
+        self.fix = ftfy.fix_text
+        self.nlp = spacy.blank("en")
+        self.encoder = json.loads((FIXTURE / "encoder_bpe_40000.json").read_text(encoding="utf-8"))
+        lines = (FIXTURE / "vocab_40000.bpe").read_text(encoding="utf-8").split("\n")[1:-1]
+        self.ranks = {tuple(line.split()): rank for rank, line in enumerate(lines)}
+
+    @staticmethod
+    def standardize(text: str) -> str:
+        for a, b in (("—", "-"), ("–", "-"), ("―", "-"), ("…", "..."), ("´", "'")):
+            text = text.replace(a, b)
+        text = re.sub(
+            r"""(-+|~+|!+|"+|;+|\?+|\++|,+|\)+|\(+|\\+|\/+|\*+|\[+|\]+|}+|{+|\|+|_+)""", r" \1 ", text
+        )
+        text = re.sub(r"\s*\n\s*", " \n ", text)
+        return re.sub(r"[^\S\n]+", " ", text).strip()
+
+    def bpe(self, token: str) -> list[str]:
+        symbols = list(token[:-1]) + [token[-1] + "</w>"]
+        while len(symbols) > 1:
+            ranked = [(self.ranks.get(p, float("inf")), p) for p in zip(symbols, symbols[1:], strict=False)]
+            rank, pair = min(ranked)
+            if rank == float("inf"):
+                break
+            out, i = [], 0
+            while i < len(symbols):
+                if tuple(symbols[i : i + 2]) == pair:
+                    out.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            symbols = out
+        joined = " ".join(symbols)
+        return ["\n</w>"] if joined == "\n  </w>" else joined.split(" ")
+
+    def encode(self, text: str) -> list[int]:
+        doc = self.nlp(self.standardize(self.fix(text)))
+        return [self.encoder.get(piece, 0) for token in doc for piece in self.bpe(token.text.lower())]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> GPT1Tokenizer:
+    return GPT1Tokenizer()
+
+
+_SHARED: dict = {}
+
+
+def _shared() -> tuple[GPT1Tokenizer, ReferenceTextEncoder]:
+    # hypothesis forbids function-scoped fixtures; build once.
+    if not _SHARED:
+        _SHARED["pair"] = (GPT1Tokenizer(), ReferenceTextEncoder())
+    return _SHARED["pair"]
+
+
+def test_fixture_texts_give_the_original_ids(tokenizer: GPT1Tokenizer) -> None:
+    for text, ids in zip(EXPECTED["texts"], EXPECTED["ids"], strict=True):
+        assert tokenizer(text)["input_ids"] == ids
+    assert tokenizer.tokenize("isn't he?") == ["is</w>", "n't</w>", "he</w>", "?</w>"]
+
+
+TRICKY = [
+    "isn't it? I'm sure you'll've done what we'd've said, can't you? O'Neill's rock'n'roll",
+    "“Smart” ‘single’ \"straight\" 'quotes' ``latex''",
+    "dashes — em – en ― bar -- double --- triple ~~ tildes; ellipsis… and ... dots",
+    "Numbers: 3.14, 1,000,000, $5.99, 10%, 2nd, 1990s, 9:30pm, +44-20, 1e-3",
+    "line one\nline two\n\n\nline five\r\nwindows\n  \n  indented\t\ttabs  ",
+    "Ünïcödé café naïve Привет 日本語 🙂👍🏽 <unk> ﬁ ligature Ã©tÃ© mojibake &amp; html",
+    "U.S.A. e.g. i.e. Mr. Dr. St. etc. (parens) [brackets] {braces} a/b\\c *stars* |pipes| __under__",
+    "_start_ _delimiter_ _classify_ are plain text until they are added",
+    "İstanbul ΣΊΣΥΦΟΣ straße ǅ",
+]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_tricky_texts_match_the_reference(tokenizer: GPT1Tokenizer, text: str) -> None:
+    assert tokenizer(text)["input_ids"] == _shared()[1].encode(text)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(max_size=120))
+def test_any_text_matches_the_reference(text: str) -> None:
+    tokenizer, reference = _shared()
+    assert tokenizer(text)["input_ids"] == reference.encode(text)
+
+
+def test_transformers_openai_gpt_tokenizer_differs(tokenizer: GPT1Tokenizer) -> None:
+    # transformers 5's OpenAIGPTTokenizer uses BERT's pre-tokenizer, splitting at the apostrophe.
+    from transformers import OpenAIGPTTokenizer
+
+    theirs = OpenAIGPTTokenizer(
+        vocab=str(FIXTURE / "encoder_bpe_40000.json"), merges=str(FIXTURE / "vocab_40000.bpe")
+    )
+    text = EXPECTED["texts"][0]  # "The president is a very good man, isn't he?"
+    assert theirs.tokenize("isn't") == ["is", "n</w>", "'</w>", "t</w>"]
+    assert tokenizer.tokenize("isn't") == ["is</w>", "n't</w>"]
+    assert theirs(text)["input_ids"] != EXPECTED["ids"][0]
+    assert tokenizer(text)["input_ids"] == EXPECTED["ids"][0]
+
+
+def test_finetune_tokens_have_the_original_ids() -> None:
+    tokenizer = GPT1Tokenizer(add_finetune_tokens=True)
+    assert tokenizer.finetune_token_ids == EXPECTED["special_tokens"]
+    assert len(tokenizer) == 40481
+    assert [tokenizer.convert_tokens_to_ids(t) for t in FINETUNE_TOKENS] == [40478, 40479, 40480]
+    # The original's ROCStories input: [_start_] text_0 [_delimiter_] text_k [_classify_].
+    expected = np.load(FIXTURE / "expected.npz")
+    texts = EXPECTED["texts"]
+    for k, mc in ((1, "mc_ids_0"), (2, "mc_ids_1")):
+        ids = tokenizer(f"_start_{texts[0]}_delimiter_{texts[k]}_classify_")["input_ids"]
+        assert ids == expected[mc].tolist()
+    # Added later through the method, the same ids.
+    later = GPT1Tokenizer()
+    assert later.finetune_token_ids == {}
+    assert later.add_finetune_special_tokens() == EXPECTED["special_tokens"]
+
+
+def test_decoding_joins_pieces_into_words(tokenizer: GPT1Tokenizer) -> None:
+    assert tokenizer.decode(EXPECTED["ids"][0]) == "the president is a very good man, isn't he?"
+    assert tokenizer.decode(EXPECTED["ids"][1]) == "karen was assigned a roommate her first year of college."
+    ids = tokenizer("first line\nsecond line")["input_ids"]
+    assert tokenizer.decode(ids) == "first line\nsecond line"
+
+
+def test_offsets_point_into_the_original_text(tokenizer: GPT1Tokenizer) -> None:
+    text = EXPECTED["texts"][2]  # 'Hello WORLD -- it's 9:30 a.m. “Smart quotes” and naïve café…'
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    assert encoded["input_ids"] == EXPECTED["ids"][2]
+    spans = [text[s:e] for s, e in encoded["offset_mapping"]]
+    assert spans == ["Hello", "WORLD", "--", "it", "'s", "9", ":30", "a.m.", "“", "Smart", "quotes", "”"] + [
+        "and",
+        "naïve",
+        "café",
+        "…",
+    ]
+    # ftfy repairs mojibake and ligatures: spans cover the characters that were repaired.
+    fixed = "ﬁne Ã©tÃ©"
+    encoded = tokenizer(fixed, return_offsets_mapping=True)
+    assert [fixed[s:e] for s, e in encoded["offset_mapping"]][0] == "ﬁne"
+    assert "".join(fixed[s:e] for s, e in encoded["offset_mapping"][1:]) == "Ã©tÃ©"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("abcXYZ019 .,!?-'\n")), max_size=60))
+def test_offsets_cover_each_piece(text: str) -> None:
+    tokenizer, _ = _shared()
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    assert encoded["input_ids"] == tokenizer(text)["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(encoded["input_ids"])
+    for piece, (start, end) in zip(pieces, encoded["offset_mapping"], strict=True):
+        assert text[start:end].lower() == piece.removesuffix("</w>")
+
+
+def test_batches_pad_truncate_and_mask() -> None:
+    tokenizer = GPT1Tokenizer(add_finetune_tokens=True, pad_token="<unk>", padding_side="left")
+    texts = ["a b c", "hello\n\nthere  world, friend"]
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    assert lengths == [3, 6]
+    batch = tokenizer(texts, padding=True, return_offsets_mapping=True, return_tensors="pt")
+    assert batch["input_ids"].shape == (2, 6)
+    assert batch["input_ids"][0, :3].tolist() == [0, 0, 0]
+    assert batch["attention_mask"].tolist() == [[0, 0, 0, 1, 1, 1], [1] * 6]
+    assert batch["offset_mapping"][0].tolist() == [[0, 0]] * 3 + [[0, 1], [2, 3], [4, 5]]
+    assert [texts[1][s:e] for s, e in batch["offset_mapping"][1].tolist()][:3] == ["hello", "\n", "there"]
+    right = tokenizer(texts, padding="max_length", max_length=8, padding_side="right")
+    assert right["attention_mask"][0] == [1, 1, 1, 0, 0, 0, 0, 0]
+    truncated = tokenizer(texts, truncation=True, max_length=4, return_offsets_mapping=True)
+    assert truncated["input_ids"][1] == tokenizer(texts[1])["input_ids"][:4]
+    assert len(truncated["offset_mapping"][1]) == 4
+    pair = tokenizer("a b", "c d e", truncation="only_second", max_length=4, return_offsets_mapping=True)
+    assert pair["input_ids"] == tokenizer("a b c d")["input_ids"]
+    assert pair["offset_mapping"] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+
+
+def test_missing_dependencies_refuse_with_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ftfy", "spacy"):
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
+            with pytest.raises(MissingDependencyError, match=re.escape("pip install 'hfgpt[gpt1]'")) as error:
+                GPT1Tokenizer()
+            assert name in str(error.value)
+
+
+def test_save_writes_original_files_and_reloads(tmp_path: Path) -> None:
+    tokenizer = GPT1Tokenizer(add_finetune_tokens=True)
+    tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "encoder_bpe_40000.json").read_text(encoding="utf-8")) == json.loads(
+        (FIXTURE / "encoder_bpe_40000.json").read_text(encoding="utf-8")
+    )
+    assert (tmp_path / "vocab_40000.bpe").read_text(encoding="utf-8") == (
+        FIXTURE / "vocab_40000.bpe"
+    ).read_text(encoding="utf-8")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tokenizer_class"] == "GPT1Tokenizer"
+    assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_gpt1.GPT1Tokenizer"
+    assert (tmp_path / "tokenization_gpt1.py").is_file()
+    reloaded = GPT1Tokenizer.from_pretrained(tmp_path)
+    assert reloaded.finetune_token_ids == EXPECTED["special_tokens"]
+    text = EXPECTED["texts"][2]
+    assert reloaded(text)["input_ids"] == EXPECTED["ids"][2]
+    # The files are the original's, so the original-format reader gives the same ids.
+    assert ReferenceTextEncoder().encode(text) == EXPECTED["ids"][2]
+
+
+def test_resize_embeddings_to_tokenizer() -> None:
+    import torch
+
+    from hfgpt.modeling import GPTConfig, GPTForCausalLM
+    from hfgpt.tokenization import resize_embeddings_to_tokenizer
+
+    config = GPTConfig.from_preset("openai-gpt", n_embd=32, n_layer=2, n_head=4, n_positions=16)
+    model = GPTForCausalLM(config)
+    assert model.get_input_embeddings().weight.shape[0] == 40478
+    before = model.get_input_embeddings().weight[:40478].detach().clone()
+    tokenizer = GPT1Tokenizer(add_finetune_tokens=True)
+    resize_embeddings_to_tokenizer(model, tokenizer)
+    weight = model.get_input_embeddings().weight
+    assert weight.shape == (40481, 32)
+    assert torch.equal(weight[:40478], before)
+    assert model.config.classify_token_id == 40480
+    ids = torch.tensor([tokenizer("_start_ hello _classify_")["input_ids"]])
+    assert model(ids).logits.shape == (1, 3, 40481)
