@@ -117,7 +117,7 @@ def from_transformers(model: PreTrainedModel) -> GPTPreTrainedModel:
 def _check_complete(source: str, target: str, result: Any, model: PreTrainedModel) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     missing = [k for k in result.missing_keys if k not in tied]
-    unexpected = [k for k in result.unexpected_keys if not k.endswith(("attn.bias", "attn.masked_bias"))]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if missing or unexpected:
         raise ExportError(f"{source} -> {target}: missing {missing}, unexpected {unexpected}")
 

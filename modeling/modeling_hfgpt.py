@@ -235,7 +235,7 @@ class GPTPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(GPTAttention, index=1),
     }
     # Causal-mask buffers of older GPT-2 / OpenAIGPT checkpoints; masks are built on the fly here.
-    _keys_to_ignore_on_load_unexpected = [r"attn\.bias$", r"attn\.masked_bias$"]
+    _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -259,7 +259,7 @@ class GPTPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         # transformers records only the saved class in `auto_map`; record every head so that any
         # AutoModelFor... loads the checkpoint with trust_remote_code where hfgpt is not installed.
-        self.config.auto_map = {**(self.config.auto_map or {}), **AUTO_MAP}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         super().save_pretrained(save_directory, *args, **kwargs)
         # The code files those entries name (custom_object_save copies them only for classes with an
         # Auto class of their own, which GPTDoubleHeadsModel lacks).

@@ -1,0 +1,491 @@
+"""Parity of hfgpt's models with transformers' own GPT2* / OpenAIGPT* classes on identical weights, plus
+the behaviour transformers users rely on: generate(), caches, Auto classes, remote code, bad inputs."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from hfgpt.modeling import (
+    PRESETS,
+    GPTConfig,
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForQuestionAnswering,
+    GPTForSequenceClassification,
+    GPTForTokenClassification,
+    GPTModel,
+)
+from hfgpt.modeling.interop import to_transformers
+
+VOCAB = 96
+TINY = dict(
+    vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+)
+# hfgpt head -> (transformers GPT-2 class, transformers GPT-1 class)
+PEERS = {
+    GPTModel: ("GPT2Model", "OpenAIGPTModel"),
+    GPTForCausalLM: ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel"),
+    GPTForSequenceClassification: ("GPT2ForSequenceClassification", "OpenAIGPTForSequenceClassification"),
+    GPTDoubleHeadsModel: ("GPT2DoubleHeadsModel", "OpenAIGPTDoubleHeadsModel"),
+    GPTForTokenClassification: ("GPT2ForTokenClassification", None),
+    GPTForQuestionAnswering: ("GPT2ForQuestionAnswering", None),
+}
+NORMS = ["pre", "post"]
+
+
+def peer_config(norm: str, **extra) -> transformers.PretrainedConfig:
+    if norm == "pre":
+        return transformers.GPT2Config(**TINY, **extra)
+    # transformers' OpenAIGPT calls the tanh GELU "gelu".
+    return transformers.OpenAIGPTConfig(**TINY, afn="gelu", **extra)
+
+
+def make_pair(head: type, norm: str, attn: str = "sdpa", **extra):
+    """A transformers model with random weights (layer norms included) and the hfgpt model holding the
+    same tensors, loaded by plain load_state_dict with only GPT-1's two embedding names translated."""
+    torch.manual_seed(0)
+    name = PEERS[head][0 if norm == "pre" else 1]
+    peer = getattr(transformers, name)(peer_config(norm, **extra)).eval()
+    with torch.no_grad():
+        for n, p in peer.named_parameters():
+            if "ln" in n:  # non-trivial gains and biases, so a mis-wired norm shows in the logits
+                p.normal_(1.0 if n.endswith("weight") else 0.0, 0.1)
+    state = {
+        k.replace("tokens_embed", "wte").replace("positions_embed", "wpe"): v
+        for k, v in peer.state_dict().items()
+    }
+    state = {k: v for k, v in state.items() if not k.endswith(".attn.bias")}  # OpenAIGPT's mask buffer
+    ours = head(GPTConfig(**TINY, layer_norm_position=norm, attn_implementation=attn, **extra)).eval()
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return peer, ours
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_lm_logits_match_transformers(norm, attn):
+    peer, ours = make_pair(GPTForCausalLM, norm, attn)
+    ids = random_ids()
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # right padding in one row
+    with torch.no_grad():
+        expected = peer(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert got.abs().max() > 0.1  # not a trivially zero comparison
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("head", [GPTModel, GPTForTokenClassification, GPTForQuestionAnswering])
+def test_other_heads_match_transformers(head, norm):
+    if PEERS[head][1 if norm == "post" else 0] is None:
+        pytest.skip("transformers has no OpenAIGPT class for this head; covered by the GPT-2 case")
+    peer, ours = make_pair(head, norm)
+    ids = random_ids()
+    with torch.no_grad():
+        expected, got = peer(ids), ours(ids)
+    for key in ("last_hidden_state", "logits", "start_logits", "end_logits"):
+        if key in expected:
+            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_sequence_classification_matches_transformers(norm):
+    peer, ours = make_pair(GPTForSequenceClassification, norm, num_labels=3, pad_token_id=0)
+    ids = random_ids(3, 10)
+    ids[1, 6:] = 0  # right-padded row: pooled at its last real token
+    labels = torch.tensor([0, 2, 1])
+    with torch.no_grad():
+        expected = peer(ids, labels=labels)
+        got = ours(ids, labels=labels)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_double_heads_match_transformers(norm):
+    peer, ours = make_pair(GPTDoubleHeadsModel, norm)
+    ids = random_ids(2 * 3, 9).view(2, 3, 9)  # (batch, choices, length)
+    mc_token_ids = torch.tensor([[8, 5, 7], [3, 8, 8]])
+    mc_labels = torch.tensor([1, 2])
+    with torch.no_grad():
+        expected = peer(ids, mc_token_ids=mc_token_ids, labels=ids, mc_labels=mc_labels)
+        got = ours(ids, mc_token_ids=mc_token_ids, labels=ids, mc_labels=mc_labels)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.mc_logits, expected.mc_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.mc_loss, expected.mc_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.lm_loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_greedy_and_beam_search_match_transformers(norm):
+    peer, ours = make_pair(GPTForCausalLM, norm)
+    ids = random_ids(2, 8)
+    mask = torch.ones_like(ids)
+    for kwargs in (dict(do_sample=False), dict(do_sample=False, num_beams=3), dict(repetition_penalty=1.3)):
+        common = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kwargs)
+        expected = peer.generate(ids, **common)
+        got = ours.generate(ids, **common)
+        assert torch.equal(got, expected), kwargs
+        assert got.shape[1] == ids.shape[1] + 10
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_sampling_matches_transformers(norm):
+    peer, ours = make_pair(GPTForCausalLM, norm)
+    ids = random_ids(2, 8)
+    common = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=12,
+        pad_token_id=0,
+        do_sample=True,
+        temperature=0.8,
+    )
+    for kwargs in (dict(top_k=5), dict(top_p=0.9)):
+        torch.manual_seed(123)
+        expected = peer.generate(ids, **common, **kwargs)
+        torch.manual_seed(123)
+        got = ours.generate(ids, **common, **kwargs)
+        assert torch.equal(got, expected), kwargs
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_left_padded_batch_generates_like_single_prompts(norm):
+    _, ours = make_pair(GPTForCausalLM, norm)
+    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 9, 7)]
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, p in enumerate(prompts):
+        batch[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
+    out = ours.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for row, p in enumerate(prompts):
+        single = ours.generate(
+            p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False
+        )
+        assert torch.equal(out[row, width:], single[0, len(p) :]), row
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_incremental_decoding_equals_full_forward(norm):
+    _, ours = make_pair(GPTForCausalLM, norm)
+    ids = random_ids(2, 14)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = ours(ids, attention_mask=mask, position_ids=position_ids).logits
+        out = ours(ids[:, :6], attention_mask=mask[:, :6], position_ids=position_ids[:, :6], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(6, 14):
+            out = ours(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                position_ids=position_ids[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            steps.append(out.logits)
+            cache = out.past_key_values
+    incremental = torch.cat(steps, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(incremental[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_to_keep_and_eager_attentions():
+    peer, ours = make_pair(GPTForCausalLM, "pre", attn="eager")
+    peer.config._attn_implementation = "eager"
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        full = ours(ids).logits
+        last = ours(ids, logits_to_keep=1).logits
+        got = ours(ids, output_attentions=True).attentions
+        expected = peer(ids, output_attentions=True).attentions
+    assert last.shape == (2, 1, VOCAB)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+    assert len(got) == 2 and got[0].shape == (2, 4, 10, 10)
+    torch.testing.assert_close(got[-1].sum(-1), torch.ones(2, 4, 10))
+    assert torch.all(torch.triu(got[-1], diagonal=1) == 0)  # causal
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(scale_attn_by_inverse_layer_idx=True),
+        dict(scale_attn_weights=False),
+        dict(reorder_and_upcast_attn=True),
+    ],
+)
+def test_attention_scaling_options_honoured_by_every_backend(options):
+    peer, eager = make_pair(GPTForCausalLM, "pre", attn="eager", **options)
+    peer.config._attn_implementation = "eager"
+    _, sdpa = make_pair(GPTForCausalLM, "pre", attn="sdpa", **options)
+    _, plain = make_pair(GPTForCausalLM, "pre", attn="sdpa")
+    ids = random_ids()
+    with torch.no_grad():
+        expected = peer(ids).logits
+        for model in (eager, sdpa):
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        if not options.get("reorder_and_upcast_attn"):  # that one changes nothing in float32
+            assert not torch.allclose(plain(ids).logits, expected, atol=1e-6)
+        # Under bfloat16, the upcast path computes attention in float32 in every backend alike.
+        if options.get("reorder_and_upcast_attn"):
+            a = eager.to(torch.bfloat16)(ids).logits.float()
+            b = sdpa.to(torch.bfloat16)(ids).logits.float()
+            torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+def test_flash_attention_2_where_installed():
+    pytest.importorskip("flash_attn", reason="flash-attn is a CUDA-only optional package")
+    if not torch.cuda.is_available():
+        pytest.skip("flash_attention_2 needs a CUDA device")
+    peer, ours = make_pair(GPTForCausalLM, "pre")
+    ours = ours.to("cuda", torch.bfloat16)
+    ours.set_attn_implementation("flash_attention_2")
+    ids = random_ids().cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ids).logits.float().cpu(), peer(ids.cpu()).logits, atol=0.05, rtol=0.05
+        )
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_static_cache_generation_equals_dynamic(norm):
+    _, ours = make_pair(GPTForCausalLM, norm)
+    ids = random_ids(2, 8)
+    mask = torch.ones_like(ids)
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    dynamic = ours.generate(ids, **common)
+    static = ours.generate(ids, cache_implementation="static", **common)
+    assert torch.equal(static, dynamic)
+
+
+def test_static_cache_with_torch_compile():
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    ids = random_ids(1, 8)
+    common = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+    expected = ours.generate(ids, **common)
+    # generate() compiles the decoding step itself (fullgraph) for a static cache; on CPU only when asked.
+    config = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # transformers' switch for compiling off GPU
+    torch._dynamo.reset()
+    got = ours.generate(ids, compile_config=config, **common)
+    assert torch.equal(got, expected)
+    assert "_compiled_call" in vars(ours)  # the compiled step really ran
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    _, ours = make_pair(GPTForCausalLM, "pre", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = random_ids(2, 10)
+    ours.train()
+
+    def grads():
+        ours.zero_grad()
+        ours(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in ours.named_parameters()}
+
+    plain = grads()
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert ours.is_gradient_checkpointing
+    checkpointed = grads()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_causal_lm_loss_is_shifted_cross_entropy():
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    ids = random_ids(2, 10)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        out = ours(ids, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, VOCAB)
+    expected = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_resize_token_embeddings_keeps_lm_head_tied():
+    _, ours = make_pair(GPTForCausalLM, "post")
+    ours.resize_token_embeddings(VOCAB + 3)
+    assert ours.config.vocab_size == VOCAB + 3
+    assert ours.lm_head.weight.data_ptr() == ours.transformer.wte.weight.data_ptr()
+    with torch.no_grad():
+        logits = ours(torch.tensor([[VOCAB + 2, 5, 6]])).logits
+    assert logits.shape == (1, 3, VOCAB + 3)
+
+
+HEADS_BY_AUTO = [
+    (AutoModel, GPTModel),
+    (AutoModelForCausalLM, GPTForCausalLM),
+    (AutoModelForSequenceClassification, GPTForSequenceClassification),
+    (AutoModelForTokenClassification, GPTForTokenClassification),
+    (AutoModelForQuestionAnswering, GPTForQuestionAnswering),
+]
+
+
+@pytest.mark.parametrize(("auto", "head"), HEADS_BY_AUTO)
+def test_save_and_reload_through_auto_classes(tmp_path, auto, head):
+    _, ours = make_pair(head, "pre", pad_token_id=0)
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "hfgpt"
+    assert set(saved["auto_map"]) == {
+        "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+        "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+    }  # fmt: skip
+    assert (tmp_path / "modeling_hfgpt.py").exists() and (tmp_path / "configuration_hfgpt.py").exists()
+    assert (tmp_path / "model.safetensors").exists()
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), GPTConfig)
+    reloaded = auto.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is head
+    ids = random_ids()
+    with torch.no_grad():
+        a, b = ours(ids), reloaded(ids)
+    key = next(k for k in ("logits", "start_logits", "last_hidden_state") if k in a)
+    torch.testing.assert_close(b[key], a[key], atol=0, rtol=0)
+
+
+REMOTE_CODE_SCRIPT = textwrap.dedent(
+    """
+    import sys, json, torch
+    sys.modules["hfgpt"] = None  # hfgpt cannot be imported here: only the checkpoint's own code can run
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    path, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
+    lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    clf = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True, num_labels=2)
+    assert type(lm).__module__.startswith("transformers_modules"), type(lm).__module__
+    with torch.no_grad():
+        print(json.dumps(lm(ids).logits.tolist()))
+    print(type(clf).__name__)
+    """
+)
+
+
+def test_trust_remote_code_loads_without_hfgpt(tmp_path):
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    ours.save_pretrained(tmp_path / "ckpt")
+    ids = random_ids(1, 6)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(tmp_path / "ckpt"), json.dumps(ids.tolist())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    with torch.no_grad():
+        expected = ours(ids).logits
+    torch.testing.assert_close(torch.tensor(json.loads(lines[-2])), expected, atol=1e-6, rtol=1e-6)
+    assert lines[-1] == "GPTForSequenceClassification"
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_transformers_checkpoints_load_directly_and_export_back(tmp_path, norm):
+    peer, _ = make_pair(GPTForCausalLM, norm)
+    peer.save_pretrained(tmp_path / "theirs")
+    ours = GPTForCausalLM.from_pretrained(tmp_path / "theirs").eval()
+    assert ours.config.layer_norm_position == norm
+    ids = random_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
+    # And back: our model exported to transformers' class, saved, reloaded by plain transformers.
+    to_transformers(ours).save_pretrained(tmp_path / "exported")
+    again = getattr(transformers, type(peer).__name__).from_pretrained(tmp_path / "exported").eval()
+    for name, tensor in peer.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_full_size_presets_have_the_released_shapes(preset):
+    config = GPTConfig.from_preset(preset)
+    norm = config.layer_norm_position
+    size = dict(
+        n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head, n_positions=config.n_positions
+    )
+    with torch.device("meta"):
+        ours = GPTForCausalLM(config)
+        if norm == "pre":
+            peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**size, vocab_size=config.vocab_size))
+        else:
+            peer = transformers.OpenAIGPTLMHeadModel(
+                transformers.OpenAIGPTConfig(**size, vocab_size=config.vocab_size)
+            )
+    theirs = {
+        k.replace("tokens_embed", "wte").replace("positions_embed", "wpe"): v.shape
+        for k, v in peer.state_dict().items()
+    }
+    ours_shapes = {k: v.shape for k, v in ours.state_dict().items()}
+    assert ours_shapes == {k: v for k, v in theirs.items() if not k.endswith(".attn.bias")}
+    # Published sizes: GPT-2 124M/355M/774M/1558M (openai/gpt-2 model folders); GPT-1 ~117M (paper).
+    millions = {"openai-gpt": 117, "gpt2": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558}[
+        preset
+    ]
+    assert abs(ours.num_parameters() / 1e6 - millions) / millions < 0.01
+
+
+def test_bad_inputs_get_clear_errors():
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    with pytest.raises(ValueError, match=r"Sequence length 65 .* context of 64 positions"):
+        ours(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 5}, outside the vocabulary \[0, {VOCAB}\)"):
+        ours(torch.tensor([[1, 2, VOCAB + 5]]))
+    with pytest.raises(ValueError, match=r"token id -1"):
+        ours(torch.tensor([[1, -1]]))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 5\), expected \(1, 3\)"):
+        ours(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        ours()
+    _, clf = make_pair(GPTForSequenceClassification, "pre")
+    with pytest.raises(ValueError, match="batch of 2 sequences without a pad token"):
+        clf(random_ids(2, 5))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(n_embd=30, n_head=4), r"n_embd \(30\) must be divisible by GPTConfig.n_head \(4\)"),
+        (dict(n_layer=0), "n_layer must be a positive integer, got 0"),
+        (dict(vocab_size=-3), "vocab_size must be a positive integer"),
+        (dict(layer_norm_position="middle"), "layer_norm_position"),
+        (dict(activation_function="gelu_fast"), "activation_function"),
+        (dict(resid_pdrop=1.5), r"resid_pdrop must be in \[0, 1\)"),
+    ],
+)
+def test_bad_config_values_are_refused_naming_the_field(kwargs, message):
+    with pytest.raises(Exception, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown preset 'gpt3'.*gpt2-xl"):
+        GPTConfig.from_preset("gpt3")
