@@ -10,6 +10,8 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from hfgpt.tokenization import register as _register_tokenizers
+
 from .configuration_hfgpt import PRESETS, GPTConfig, translate_transformers_config
 from .modeling_hfgpt import (
     GPTDoubleHeadsModel,
@@ -30,6 +32,9 @@ for _auto, _model in (
     (AutoModelForQuestionAnswering, GPTForQuestionAnswering),
 ):
     _auto.register(GPTConfig, _model, exist_ok=True)
+
+# AutoTokenizer: GPT-2 folders use transformers' own GPT2Tokenizer, GPT-1 folders hfgpt's GPT1Tokenizer.
+_register_tokenizers(GPTConfig)
 
 __all__ = [
     "PRESETS",
