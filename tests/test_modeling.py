@@ -489,3 +489,21 @@ def test_bad_config_values_are_refused_naming_the_field(kwargs, message):
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(ValueError, match="unknown preset 'gpt3'.*gpt2-xl"):
         GPTConfig.from_preset("gpt3")
+
+
+def test_stop_strings_end_generation():
+    from hfgpt.tokenization import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer()  # GPT-2 ids below 96 are single printable characters
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    ids = random_ids(1, 6)
+    common = dict(attention_mask=torch.ones_like(ids), do_sample=True, pad_token_id=0)
+    torch.manual_seed(7)
+    new = ours.generate(ids, max_new_tokens=20, **common)[0, 6:].tolist()
+    # The first generated token not seen earlier in the continuation: stopping on its text must end
+    # generation right after it.
+    k = next(i for i in range(2, len(new)) if new[i] not in new[:i])
+    stop = tokenizer.decode([new[k]])
+    torch.manual_seed(7)  # the same draws up to the stop
+    stopped = ours.generate(ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer, **common)
+    assert stopped[0, 6:].tolist() == new[: k + 1]
