@@ -625,7 +625,7 @@ def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | bytes:
     if dtype == "bfloat16":
         import torch  # numpy has no bfloat16; torch rounds to nearest even
 
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16)
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)  # a writable copy
         return tensor.view(torch.int16).numpy()
     return np.ascontiguousarray(array, dtype=dtype)
 
