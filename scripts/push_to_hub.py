@@ -16,7 +16,9 @@ The token is the one huggingface_hub finds (the `HF_TOKEN` environment variable,
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
+import importlib.util
 import json
 import re
 import sys
@@ -84,15 +86,31 @@ def _weight_files(model_dir: Path) -> list[str]:
     raise PushError(f"no safetensors weights in {model_dir}: expected {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
 
 
+def _hfgpt_auto_map() -> tuple[dict[str, str], Path]:
+    """hfgpt's `AUTO_MAP` table (every head) and the folder of the code files it names.
+
+    Read from the installed modeling_hfgpt.py's source rather than imported: importing it loads torch,
+    which an upload does not otherwise need (it would make `hfgpt-push` several seconds slower).
+    """
+    spec = importlib.util.find_spec("hfgpt.modeling")
+    if spec is None or spec.origin is None:
+        raise PushError("hfgpt.modeling is not installed: cannot add the code files of an hfgpt checkpoint")
+    package_dir = Path(spec.origin).parent
+    source = package_dir / "modeling_hfgpt.py"
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "AUTO_MAP" for t in node.targets):
+            return ast.literal_eval(node.value), package_dir
+    raise PushError(f"{source} defines no AUTO_MAP table")
+
+
 def _remote_code(model_dir: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
     """For an hfgpt checkpoint: the config with `auto_map` covering every head, and the code files that
     `auto_map` names (plus what they import relatively) which the folder lacks, taken from the installed
     hfgpt.modeling."""
-    import hfgpt.modeling.modeling_hfgpt as modeling
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    config = {**config, "auto_map": {**(config.get("auto_map") or {}), **modeling.AUTO_MAP}}
-    package_dir = Path(modeling.__file__).parent  # the sources trust_remote_code users will run
+    auto_map, package_dir = _hfgpt_auto_map()
+    config = {**config, "auto_map": {**(config.get("auto_map") or {}), **auto_map}}
     needed = {ref.split(".")[0] + ".py" for ref in config["auto_map"].values()}
     for name in list(needed):
         needed.update(Path(f).name for f in get_relative_import_files(package_dir / name))
