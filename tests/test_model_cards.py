@@ -1,0 +1,173 @@
+"""Model cards: content and metadata of each template, and the Hub's validation of the result (through
+huggingface_hub's own `ModelCard.validate`, answered by the loopback Hub of tests/hub_server.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from huggingface_hub import EvalResult, HfApi, ModelCard
+
+from hfgpt.model_cards import ModelCardError, count_parameters, render_model_card
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hub_server import DEFAULT_TOKENS, HubServer  # noqa: E402
+
+RELEASES = ["openai-gpt", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+TINY = dict(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory):
+    with HubServer(tmp_path_factory.mktemp("hub")) as server:
+        yield server
+
+
+@pytest.fixture
+def validating_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> HubServer:
+    # ModelCard.validate posts to f"{constants.ENDPOINT}/api/validate-yaml", reading the constant per call.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+    return hub
+
+
+@pytest.mark.parametrize("kind", RELEASES)
+def test_release_cards_carry_metadata_provenance_limitations_licence_and_citation(kind: str) -> None:
+    card = render_model_card(kind, repo_id="someone/model", converter_version="9.8.7", source="/data/release")
+    reparsed = ModelCard(str(card))  # what the Hub will read back from README.md
+    assert reparsed.data.license == "mit"
+    assert reparsed.data.library_name == "transformers"
+    assert reparsed.data.pipeline_tag == "text-generation"
+    assert "hfgpt" in reparsed.data.tags
+    text = card.text
+    assert "hfgpt 9.8.7" in text and "`/data/release`" in text  # converter version and source
+    assert 'from_pretrained("someone/model", trust_remote_code=True)' in text
+    assert "## Intended uses and limitations" in text and "bias" in text
+    assert "## Licence\n\nMIT" in text
+    if kind == "openai-gpt":
+        assert reparsed.data.datasets == ["bookcorpus"]
+        assert "@article{radford2018improving" in text and "BooksCorpus" in text
+        assert "finetune-transformer-lm" in text
+    else:
+        assert "@article{radford2019language" in text and "WebText" in text
+        assert "does not distinguish fact from fiction" in text
+
+
+# GPT-2 paper, Table 3 (zero-shot): the values the cards must carry, typed from the paper.
+PAPER_TABLE3 = {
+    "gpt2": {
+        "LAMBADA perplexity": 35.13,
+        "WikiText-103 perplexity": 37.50,
+        "One Billion Word perplexity": 75.20,
+    },
+    "gpt2-medium": {
+        "LAMBADA perplexity": 15.60,
+        "WikiText-103 perplexity": 26.37,
+        "One Billion Word perplexity": 55.72,
+    },
+    "gpt2-large": {
+        "LAMBADA perplexity": 10.87,
+        "WikiText-103 perplexity": 22.05,
+        "One Billion Word perplexity": 44.575,
+    },
+    "gpt2-xl": {
+        "LAMBADA perplexity": 8.63,
+        "WikiText-103 perplexity": 17.48,
+        "One Billion Word perplexity": 42.16,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PAPER_TABLE3))
+def test_gpt2_cards_report_the_papers_zero_shot_results_in_model_index(kind: str) -> None:
+    results = ModelCard(str(render_model_card(kind))).data.eval_results
+    by_name = {f"{r.dataset_name} {r.metric_type}": r for r in results}
+    for name, value in PAPER_TABLE3[kind].items():
+        assert by_name[name].metric_value == value
+        assert by_name[name].source_name == "Radford et al. 2019, Table 3"
+    assert len(results) == 10
+
+
+def test_gpt1_card_has_no_results_of_fine_tuned_models() -> None:
+    card = ModelCard(str(render_model_card("openai-gpt")))
+    assert card.data.eval_results is None
+    assert "model-index" not in str(card)
+
+
+def test_parameter_counts_match_the_models() -> None:
+    for config in (GPTConfig(**TINY), GPTConfig(**TINY, layer_norm_position="post", n_inner=48)):
+        model = GPTForCausalLM(config)
+        assert count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        for preset, shown in [("gpt2", "124M"), ("gpt2-medium", "355M"), ("gpt2-large", "774M")]:
+            model = GPTForCausalLM(GPTConfig.from_preset(preset))
+            assert count_parameters(model.config.to_dict()) == sum(p.numel() for p in model.parameters())
+            assert f"| Parameters | {shown} |" in render_model_card(preset).text
+
+
+def test_trained_card_records_base_model_data_training_and_measured_results() -> None:
+    config = {**TINY, "architectures": ["GPTForSequenceClassification"]}
+    result = EvalResult(
+        task_type="text-classification",
+        dataset_type="glue",
+        dataset_name="SST-2",
+        dataset_config="sst2",
+        dataset_split="validation",
+        metric_type="accuracy",
+        metric_value=0.912,
+    )
+    card = render_model_card(
+        "trained",
+        config=config,
+        repo_id="me/gpt2-sst2",
+        base_model="openai-community/gpt2",
+        datasets=["glue"],
+        task="sentiment classification",
+        training={"learning_rate": 6.25e-5, "epochs": 3},
+        eval_results=[result],
+    )
+    data = ModelCard(str(card)).data
+    assert data.base_model == "openai-community/gpt2" and data.datasets == ["glue"]
+    assert data.pipeline_tag == "text-classification"
+    assert data.model_name == "gpt2-sst2"
+    assert [(r.dataset_name, r.dataset_split, r.metric_value) for r in data.eval_results] == [
+        ("SST-2", "validation", 0.912)
+    ]
+    assert 'AutoModelForSequenceClassification.from_pretrained("me/gpt2-sst2"' in card.text
+    assert "| learning_rate | 6.25e-05 |" in card.text
+    assert "GPT-2 style, pre-norm" in card.text
+
+
+def test_bad_requests_are_refused_with_the_fault_named() -> None:
+    with pytest.raises(ModelCardError, match="unknown model card kind 'gpt3'"):
+        render_model_card("gpt3")
+    with pytest.raises(ModelCardError, match="unknown fact.*base_modle"):
+        render_model_card("trained", config=TINY, base_modle="gpt2")
+    with pytest.raises(ModelCardError, match="needs the checkpoint's config"):
+        render_model_card("trained")
+    with pytest.raises(ModelCardError, match="lacks n_head"):
+        render_model_card("trained", config={k: v for k, v in TINY.items() if k != "n_head"})
+    with pytest.raises(ModelCardError, match="EvalResult"):
+        render_model_card("gpt2", eval_results=[{"accuracy": 1.0}])
+
+
+@pytest.mark.parametrize("kind", [*RELEASES, "trained"])
+def test_every_card_passes_the_hubs_validation(kind: str, validating_hub: HubServer) -> None:
+    card = render_model_card(kind, **({"config": TINY} if kind == "trained" else {}))
+    card.validate()
+    assert ("POST", "/api/validate-yaml", 200) in validating_hub.log
+
+
+def test_validation_rejects_unknown_licence_and_broken_yaml(validating_hub: HubServer) -> None:
+    card = render_model_card("trained", config=TINY, license="my-own-licence")
+    with pytest.raises(ValueError, match="my-own-licence"):
+        card.validate()
+    # A README that ModelCard itself cannot parse: huggingface_hub validates it before committing it.
+    api = HfApi(endpoint=validating_hub.url, token=next(iter(DEFAULT_TOKENS)))
+    api.create_repo("tester/broken-card", exist_ok=True)
+    broken = b"---\nlicense: mit\ntags: [unclosed\n---\n\n# x\n"
+    with pytest.raises(ValueError, match="Invalid YAML"):
+        api.upload_file(path_or_fileobj=broken, path_in_repo="README.md", repo_id="tester/broken-card")
