@@ -623,11 +623,16 @@ class TensorBundleWriter:
 
     def write(
         self,
-        tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+        tensors: Mapping[str, np.ndarray | Callable[[], np.ndarray]]
+        | Iterable[tuple[str, np.ndarray | Callable[[], np.ndarray]]],
         *,
         bfloat16: Iterable[str] = (),
     ) -> dict[str, BundleEntry]:
-        """Write all tensors and the index. Names in ``bfloat16`` hold raw bfloat16 bits as uint16."""
+        """Write all tensors and the index. Names in ``bfloat16`` hold raw bfloat16 bits as uint16.
+
+        A value may also be a zero-argument callable returning the array: it is called when that tensor's
+        turn comes, so a large checkpoint can be written holding one tensor at a time.
+        """
         bfloat16 = set(bfloat16)
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         items = sorted(items, key=lambda kv: kv[0].encode("utf-8"))
@@ -637,8 +642,8 @@ class TensorBundleWriter:
                 stack.enter_context(open(data_file_name(self.prefix, i, self.num_shards), "wb"))
                 for i in range(self.num_shards)
             ]
-            for name, array in items:
-                array = np.asarray(array)
+            for name, value in items:
+                array = np.asarray(value() if callable(value) else value)
                 dtype = "bfloat16" if name in bfloat16 else array.dtype.name
                 if dtype not in _TF_DTYPE_IDS:
                     raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no TensorFlow equivalent")

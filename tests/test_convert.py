@@ -1,5 +1,6 @@
 """Converting OpenAI's releases reproduces OpenAI's own outputs; bad input fails cleanly."""
 
+import importlib.util
 import json
 import re
 import shutil
@@ -464,3 +465,17 @@ def test_errors_are_one_family_with_exit_codes():
 def test_hfgpt_modeling_import_is_enough_for_auto_classes():
     # `import hfgpt.modeling` (done above) registers the "hfgpt" model type with the Auto classes.
     assert hfgpt.modeling.GPTForCausalLM is GPTForCausalLM
+
+
+def test_benchmark_smoke_at_tiny_size():
+    spec = importlib.util.spec_from_file_location("bench_convert", ROOT / "benchmarks" / "bench_convert.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # "tiny" has the fixture's shapes, so its release is exactly as large as the one TensorFlow wrote.
+    assert bench.release_shapes(bench.SIZES["tiny"]) == {
+        name: entry.shape for name, entry in TensorBundleReader(GPT2 / "model.ckpt").entries.items()
+    }
+    results = bench.run_benchmark("tiny", isolate=False)
+    assert results["weights_bytes_float32"] == (GPT2 / "model.ckpt.data-00000-of-00001").stat().st_size
+    for label in ("hfgpt", "peer"):
+        assert results[label]["seconds"] > 0 and results[label]["peak_rss"] >= results[label]["baseline_rss"]

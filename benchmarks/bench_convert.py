@@ -1,0 +1,212 @@
+"""Time and peak memory of `hfgpt-convert` on a synthetic GPT-2 release, beside a load-everything peer.
+
+A release with the exact tensor names and shapes of OpenAI's GPT-2 `--size` model (random float32 values)
+is written with hfgpt's TensorFlow-bundle writer into a temporary folder. Then, each in a fresh child
+process so that peak RSS is its own:
+
+* hfgpt: `convert_release` (memory-mapped reads, tensor-by-tensor streaming into safetensors);
+* peer:  the usual recipe: read every tensor into one state dict of torch tensors, then
+         `safetensors.torch.save_file` (in-memory copies of the whole model; no TensorFlow here, so
+         transformers' own TF converter cannot run).
+
+Both read the same files, hot in the page cache after writing. The report gives seconds, peak RSS, peak RSS
+above the child's baseline after imports, and that excess as a fraction of the weights' size, with the
+ratios hfgpt / peer (below 1 means hfgpt uses less).
+
+    python benchmarks/bench_convert.py --size 1558M --json bench_convert.json
+    python benchmarks/bench_convert.py --size tiny          # smoke test (a few MB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hfgpt.modeling.tf_bundle import TensorBundleWriter
+
+# openai/gpt-2 models/<size>/hparams.json; "tiny" is the test fixture's shape.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2),
+    "124M": dict(n_vocab=50257, n_ctx=1024, n_embd=768, n_head=12, n_layer=12),
+    "355M": dict(n_vocab=50257, n_ctx=1024, n_embd=1024, n_head=16, n_layer=24),
+    "774M": dict(n_vocab=50257, n_ctx=1024, n_embd=1280, n_head=20, n_layer=36),
+    "1558M": dict(n_vocab=50257, n_ctx=1024, n_embd=1600, n_head=25, n_layer=48),
+}
+
+
+def release_shapes(h: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a GPT-2 release (openai/gpt-2 src/model.py)."""
+    e = h["n_embd"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model/wte": (h["n_vocab"], e),
+        "model/wpe": (h["n_ctx"], e),
+        "model/ln_f/g": (e,),
+        "model/ln_f/b": (e,),
+    }
+    for i in range(h["n_layer"]):
+        layer = {
+            "ln_1/g": (e,), "ln_1/b": (e,), "attn/c_attn/w": (1, e, 3 * e), "attn/c_attn/b": (3 * e,),
+            "attn/c_proj/w": (1, e, e), "attn/c_proj/b": (e,), "ln_2/g": (e,), "ln_2/b": (e,),
+            "mlp/c_fc/w": (1, e, 4 * e), "mlp/c_fc/b": (4 * e,), "mlp/c_proj/w": (1, 4 * e, e), "mlp/c_proj/b": (e,),
+        }  # fmt: skip
+        shapes.update({f"model/h{i}/{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def write_synthetic_release(folder: Path, hparams: dict[str, int], seed: int = 0) -> int:
+    """Write a GPT-2 release folder of random weights, one tensor in memory at a time; returns its bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shapes = release_shapes(hparams)
+
+    def make(shape: tuple[int, ...]) -> Any:
+        return lambda: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    TensorBundleWriter(folder / "model.ckpt").write({name: make(shape) for name, shape in shapes.items()})
+    (folder / "checkpoint").write_text('model_checkpoint_path: "model.ckpt"\n')
+    (folder / "hparams.json").write_text(json.dumps(hparams))
+    vocab = Path(__file__).resolve().parent.parent / "tokenization" / "data" / "gpt2"
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copyfile(vocab / name, folder / name)
+    return sum(int(np.prod(s)) * 4 for s in shapes.values())
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _run_hfgpt(source: str, output: str, dtype: str) -> dict[str, float]:
+    import hfgpt.modeling  # noqa: F401 - the imports count as baseline, not as conversion memory
+    from hfgpt.modeling.openai_release import convert_release
+
+    baseline = _peak_rss()
+    start = time.perf_counter()
+    convert_release(source, output, dtype=dtype, tokenizer=False, model_card=False)
+    return {"seconds": time.perf_counter() - start, "baseline_rss": baseline, "peak_rss": _peak_rss()}
+
+
+def _run_peer(source: str, output: str, dtype: str) -> dict[str, float]:
+    import torch
+    from safetensors.torch import save_file
+
+    from hfgpt.modeling.openai_release import GPT2Release
+
+    baseline = _peak_rss()
+    start = time.perf_counter()
+    release = GPT2Release(source)
+    state = {}
+    for src, target, op in release.mapping():
+        state[target] = torch.from_numpy(op.forward(release.get(src)).copy()).to(getattr(torch, dtype))
+    release.close()
+    Path(output).mkdir()
+    save_file(state, str(Path(output) / "model.safetensors"), metadata={"format": "pt"})
+    return {"seconds": time.perf_counter() - start, "baseline_rss": baseline, "peak_rss": _peak_rss()}
+
+
+def _child(fn_name: str, args: tuple, queue: Any) -> None:
+    queue.put(globals()[fn_name](*args))
+
+
+def measure(fn_name: str, *args: str, isolate: bool = True) -> dict[str, float]:
+    """Run one contender, in a fresh process when ``isolate`` (peak RSS is then its own)."""
+    if not isolate:
+        return globals()[fn_name](*args)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn_name, args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if proc.exitcode:
+        raise RuntimeError(f"{fn_name} exited with {proc.exitcode}")
+    return result
+
+
+def run_benchmark(
+    size: str = "1558M",
+    dtype: str = "float32",
+    workdir: str | None = None,
+    isolate: bool = True,
+    peer: bool = True,
+) -> dict[str, Any]:
+    hparams = SIZES[size]
+    root = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=workdir))
+    try:
+        start = time.perf_counter()
+        weight_bytes = write_synthetic_release(root / "release", hparams)
+        write_seconds = time.perf_counter() - start
+        results: dict[str, Any] = {
+            "size": size,
+            "dtype": dtype,
+            "weights_bytes_float32": weight_bytes,
+            "write_release_seconds": write_seconds,
+        }
+        contenders = [("hfgpt", "_run_hfgpt")] + ([("peer", "_run_peer")] if peer else [])
+        for label, fn in contenders:
+            r = measure(fn, str(root / "release"), str(root / f"out-{label}"), dtype, isolate=isolate)
+            r["excess_rss"] = r["peak_rss"] - r["baseline_rss"]
+            r["excess_rss_over_weights"] = r["excess_rss"] / weight_bytes
+            r["gb_per_s"] = weight_bytes / r["seconds"] / 1e9
+            results[label] = r
+            shutil.rmtree(root / f"out-{label}")
+        if peer:
+            results["ratio_seconds_hfgpt_over_peer"] = (
+                results["hfgpt"]["seconds"] / results["peer"]["seconds"]
+            )
+            results["ratio_excess_rss_hfgpt_over_peer"] = (
+                results["hfgpt"]["excess_rss"] / results["peer"]["excess_rss"]
+            )
+        return results
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _report(r: dict[str, Any]) -> str:
+    gib = 2**30
+    lines = [
+        f"GPT-2 {r['size']} synthetic release: {r['weights_bytes_float32'] / gib:.2f} GiB float32 "
+        f"(written in {r['write_release_seconds']:.1f} s), output {r['dtype']}",
+        f"{'':8}{'seconds':>9}{'GB/s':>7}{'peak RSS':>11}{'baseline':>10}{'excess':>10}{'excess/weights':>16}",
+    ]
+    for label in ("hfgpt", "peer"):
+        if label in r:
+            x = r[label]
+            lines.append(
+                f"{label:8}{x['seconds']:9.2f}{x['gb_per_s']:7.2f}{x['peak_rss'] / gib:9.2f}Gi"
+                f"{x['baseline_rss'] / gib:8.2f}Gi{x['excess_rss'] / gib:8.2f}Gi{x['excess_rss_over_weights']:16.2f}"
+            )
+    if "ratio_seconds_hfgpt_over_peer" in r:
+        lines.append(
+            f"hfgpt / peer: time {r['ratio_seconds_hfgpt_over_peer']:.2f}, "
+            f"excess RSS {r['ratio_excess_rss_hfgpt_over_peer']:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=list(SIZES), default="1558M")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--workdir", default=None, help="where the temporary release is written")
+    parser.add_argument("--no-peer", action="store_true", help="time hfgpt only")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    results = run_benchmark(args.size, args.dtype, args.workdir, peer=not args.no_peer)
+    print(_report(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
