@@ -16,8 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, OpenAIGPTLMHeadModel
 
 import hfgpt.modeling
-import hfgpt.tokenization
-from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel, GPTForCausalLM
+from hfgpt.modeling import GPTDoubleHeadsModel, GPTForCausalLM
 from hfgpt.modeling.openai_release import (
     FINETUNE_TOKENS,
     CheckpointError,
@@ -35,10 +34,6 @@ GPT2 = Path(__file__).parent / "fixtures" / "openai-gpt2-tiny"
 GPT1 = Path(__file__).parent / "fixtures" / "openai-gpt1-tiny"
 GPT1_HEADS = 4  # the GPT-1 release does not record n_head; the fixture README gives it
 TOL = dict(atol=1e-5, rtol=0)
-
-# GPT-1 folders name the "GPT1Tokenizer" class; hfgpt.tokenization.register makes AutoTokenizer resolve it
-# to the installed class (idempotent; `import hfgpt.modeling` is meant to call it too).
-hfgpt.tokenization.register(GPTConfig)
 
 
 @pytest.fixture(scope="module")
@@ -479,3 +474,18 @@ def test_benchmark_smoke_at_tiny_size():
     assert results["weights_bytes_float32"] == (GPT2 / "model.ckpt.data-00000-of-00001").stat().st_size
     for label in ("hfgpt", "peer"):
         assert results[label]["seconds"] > 0 and results[label]["peak_rss"] >= results[label]["baseline_rss"]
+
+
+def test_push_to_hub_gets_the_finished_folder(tmp_path, monkeypatch):
+    import hfgpt.scripts.push_to_hub as push_module
+
+    calls = []
+
+    def fake_push(model_dir, repo_id):
+        calls.append((Path(model_dir), repo_id, sorted(p.name for p in Path(model_dir).iterdir())))
+
+    monkeypatch.setattr(push_module, "push_to_hub", fake_push)
+    assert main([str(GPT2), str(tmp_path / "out"), "--push-to-hub", "someone/gpt2-tiny"]) == 0
+    ((folder, repo_id, files),) = calls
+    assert folder == tmp_path / "out" and repo_id == "someone/gpt2-tiny"
+    assert {"model.safetensors", "config.json", "tokenizer_config.json", "README.md"} <= set(files)
