@@ -268,9 +268,13 @@ class GPTPreTrainedModel(PreTrainedModel):
             if not (Path(save_directory) / name).exists():
                 shutil.copyfile(here / name, Path(save_directory) / name)
 
-    def _pool_positions(self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int) -> torch.Tensor:
+    def _pool_positions(
+        self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int, require_pad: bool = True
+    ) -> torch.Tensor:
         """Index of the token each sequence is summarised at: GPT-1's `_classify_` token where the
-        recipe placed one (train.py pools at the `clf_token`), else the last non-padding token."""
+        recipe placed one (train.py pools at the `clf_token`), else the last non-padding token. Without a
+        pad token a batch is refused (`require_pad`, as GPT2ForSequenceClassification) or pooled at the
+        last position (as GPT2DoubleHeadsModel)."""
         device = input_ids.device if input_ids is not None else self.device
         positions = torch.arange(seq_len, device=device)
         if input_ids is None:
@@ -283,7 +287,7 @@ class GPTPreTrainedModel(PreTrainedModel):
                 return (positions * is_clf).argmax(-1)
         pad_id = self.config.pad_token_id
         if pad_id is None:
-            if n_rows != 1:
+            if n_rows != 1 and require_pad:
                 raise ValueError(
                     f"Cannot pool a batch of {n_rows} sequences without a pad token: set "
                     "`model.config.pad_token_id` (e.g. to the tokenizer's pad or eos id) so the last "
@@ -649,7 +653,8 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
         if mc_token_ids is None:
             seq_len = hidden.shape[-2]
             n_rows = hidden[..., 0, 0].numel()
-            mc_token_ids = self._pool_positions(input_ids, n_rows, seq_len).reshape(hidden.shape[:-2])
+            mc_token_ids = self._pool_positions(input_ids, n_rows, seq_len, require_pad=False)
+            mc_token_ids = mc_token_ids.reshape(hidden.shape[:-2])
         mc_logits = self.multiple_choice_head(hidden, mc_token_ids).squeeze(-1)  # (B, C)
 
         mc_loss = lm_loss = loss = None

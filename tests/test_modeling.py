@@ -507,3 +507,18 @@ def test_stop_strings_end_generation():
     torch.manual_seed(7)  # the same draws up to the stop
     stopped = ours.generate(ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer, **common)
     assert stopped[0, 6:].tolist() == new[: k + 1]
+
+
+def test_double_heads_default_pooling():
+    peer, ours = make_pair(GPTDoubleHeadsModel, "post")
+    ids = random_ids(2 * 2, 9).view(2, 2, 9)
+    with torch.no_grad():
+        # No pad and no classify token: the last position, as transformers does.
+        torch.testing.assert_close(ours(ids).mc_logits, peer(ids).mc_logits, atol=1e-5, rtol=1e-5)
+        # GPT-1's recipe: pooled at the `_classify_` token wherever the transform put it.
+        clf = VOCAB - 1
+        ids = ids.clamp(max=VOCAB - 2)
+        ids[0, 0, 4] = ids[0, 1, 6] = ids[1, 0, 8] = ids[1, 1, 2] = clf
+        ours.config.classify_token_id = clf
+        expected = peer(ids, mc_token_ids=torch.tensor([[4, 6], [8, 2]])).mc_logits
+        torch.testing.assert_close(ours(ids).mc_logits, expected, atol=1e-5, rtol=1e-5)
