@@ -33,7 +33,8 @@ __all__ = ["PushError", "collect_upload", "main", "push_to_hub"]
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
-# Files `Trainer` leaves in a checkpoint folder that are training state, not model: not uploaded.
+# Files and folders `Trainer` leaves in a checkpoint folder that are training state, not the model: not
+# uploaded. Matched against every part of a file's path.
 NOT_UPLOADED = (
     "optimizer.pt",  # optimizer state, as large as the model again (twice with Adam)
     "scheduler.pt",
@@ -41,6 +42,7 @@ NOT_UPLOADED = (
     "rng_state*.pth",
     "training_args.bin",  # a pickle of TrainingArguments
     "pytorch_model*.bin",  # pickle weights: the safetensors ones are uploaded instead
+    "checkpoint-*",  # Trainer's intermediate checkpoints in its output_dir (Trainer's own push skips them)
     ".*",  # hidden files and folders (.git, .cache, editor files)
 )
 

@@ -633,6 +633,9 @@ class _Handler(BaseHTTPRequestHandler):
         # Read the body before anything else: answering early leaves unread bytes on a keep-alive
         # connection and the client's next request on it breaks.
         body = self._read_body()
+        if self.server.dead:  # stopped: connections kept alive from before get no answer either
+            self.close_connection = True
+            return
         name = None
         try:
             name, handler, params = hub.route(self.command, url.path)
@@ -673,7 +676,10 @@ class _HubHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     hub: Hub
 
+    dead = False
+
     def die(self) -> None:
+        self.dead = True
         threading.Thread(target=self.shutdown, daemon=True).start()
 
 

@@ -437,16 +437,19 @@ def test_upload_completes_auto_map_adds_a_card_and_leaves_out_training_state(
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "optimizer.pt").write_bytes(b"x")
     (folder / "training_args.bin").write_bytes(b"x")
-    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "checkpoint-500").mkdir()
+    (folder / "checkpoint-500" / "model.safetensors").write_bytes(b"x")
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
     ops = {op.path_in_repo: op for op in collect_upload(folder, "me/run")}
-    assert "optimizer.pt" not in ops and "training_args.bin" not in ops
+    assert not {"optimizer.pt", "training_args.bin", "checkpoint-500/model.safetensors"} & set(ops)
+    assert "model.safetensors" in ops and "tokenizer_config.json" in ops
     uploaded_config = json.loads(ops["config.json"].path_or_fileobj)
     assert set(uploaded_config["auto_map"]) >= EVERY_HEAD
     assert Path(ops["modeling_hfgpt.py"].path_or_fileobj).name == "modeling_hfgpt.py"
     card = ModelCard(ops["README.md"].path_or_fileobj.decode())
     assert card.data.library_name == "transformers" and 'from_pretrained("me/run"' in card.text
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the folder is not modified
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before  # folder untouched
 
 
 def test_console_entry_point_is_installed() -> None:
