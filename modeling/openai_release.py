@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from huggingface_hub.errors import StrictDataclassError
 
 from .tf_bundle import CheckpointError, CorruptCheckpointError, TensorBundleReader, TensorBundleWriter
 
@@ -510,6 +511,20 @@ def build_config(
     dtype: DType = "float32",
 ) -> Any:
     """The config of the converted model: the release's preset with the released hyper-parameters."""
+    try:
+        return _build_config(release, fmt, add_finetune_tokens, dtype)
+    # GPTConfig validates sizes (e.g. n_head divides n_embd) through huggingface_hub's strict dataclasses.
+    except (ValueError, TypeError, StrictDataclassError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        source = "hparams.json" if release.kind == "gpt2" else "params_shapes.json"
+        reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ else exc
+        raise ConversionError(
+            f"the hyper-parameters from {release.source_dir / source} are invalid: {reason}"
+        ) from exc
+
+
+def _build_config(release: Release, fmt: str, add_finetune_tokens: bool, dtype: str) -> Any:
     preset, fields = release.config_fields()
     if add_finetune_tokens:
         fields["vocab_size"] += len(FINETUNE_TOKENS)

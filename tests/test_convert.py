@@ -355,6 +355,7 @@ def test_flipped_byte_names_the_tensor_and_leaves_no_output(tmp_path, capsys):
         ("gpt2", "hparams n_embd", 3, "tensor 'model/h0/attn/c_attn/b' has shape \\[96\\].* hparams.json"),
         ("gpt2", "hparams n_layer", 3, "parameter 'transformer.h.2.attn.c_attn.bias' has no source tensor"),
         ("gpt2", "hparams n_layer down", 3, "'model/h1/.*' maps to 'transformer.h.1.*', which the model"),
+        ("gpt2", "hparams n_head", 3, "hyper-parameters from .*hparams.json are invalid: .*n_head"),
         ("gpt2", "unknown tensor", 3, "tensor 'model/h0/attn/extra' in .* has no parameter to map to"),
         ("gpt2", "integer weights", 3, "tensor 'model/wpe' has dtype int32"),
         ("gpt2", "both releases", 3, "holds files of both the GPT-1 and the GPT-2 release"),
@@ -403,7 +404,13 @@ def _damage_gpt2(src: Path, damage: str) -> None:
         data.write_bytes(data.read_bytes()[:-1000])
     elif damage.startswith("hparams"):
         key = "n_embd" if damage == "hparams n_embd" else "n_layer"
-        hparams[key] = {"hparams n_embd": 64, "hparams n_layer": 3, "hparams n_layer down": 1}[damage]
+        key = "n_head" if damage == "hparams n_head" else key
+        hparams[key] = {
+            "hparams n_embd": 64,
+            "hparams n_layer": 3,
+            "hparams n_layer down": 1,
+            "hparams n_head": 5,
+        }[damage]
         (src / "hparams.json").write_text(json.dumps(hparams))
     elif damage in ("unknown tensor", "integer weights"):
         with TensorBundleReader(src / "model.ckpt") as reader:
