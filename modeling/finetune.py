@@ -43,7 +43,11 @@ TASK_TEXT_COLUMNS: dict[str, tuple[int, int | None]] = {
 }
 
 
-class FinetuneInputError(ValueError):
+class TrainingInputError(ValueError):
+    """Bad training input (a file, a column, a size); the message names the value at fault."""
+
+
+class FinetuneInputError(TrainingInputError):
     """Bad fine-tuning input (a column, a label, a length); the message names the value at fault."""
 
 
@@ -281,6 +285,7 @@ __all__ = [
     "PearsonR",
     "TaskCollator",
     "TaskTokens",
+    "TrainingInputError",
     "add_finetune_tokens",
     "check_length",
     "compute_metrics_fn",

@@ -41,6 +41,7 @@ from hfgpt.modeling.finetune import (
     TASKS,
     FinetuneInputError,
     TaskCollator,
+    TrainingInputError,
     add_finetune_tokens,
     check_length,
     compute_metrics_fn,
@@ -48,7 +49,6 @@ from hfgpt.modeling.finetune import (
     transform_example,
 )
 from hfgpt.scripts.train_lm import (
-    TrainingInputError,
     _check_file,
     _parse_overrides,
     load_tokenizer,
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_warning()
     try:
         metrics = finetune(args, training_args)
-    except (FinetuneInputError, TrainingInputError) as err:
+    except TrainingInputError as err:  # FinetuneInputError included
         print(f"error: {err}", file=sys.stderr)
         return 2
     if training_args.process_index == 0:

@@ -38,10 +38,7 @@ from transformers import (
 
 import hfgpt.modeling  # noqa: F401  (registers hfgpt with the Auto classes)
 from hfgpt.modeling import PRESETS, GPTConfig, GPTForCausalLM
-
-
-class TrainingInputError(ValueError):
-    """Bad training input (a file, a column, a size); the message names the value at fault."""
+from hfgpt.modeling.finetune import TrainingInputError
 
 
 @dataclass

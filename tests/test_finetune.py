@@ -1,0 +1,356 @@
+"""GPT-1's fine-tuning recipe: input transforms, collator, the L2 + lambda*L1 objective checked by hand,
+offline metrics, and hfgpt-finetune end to end on tiny CSV/JSON files, including its input errors."""
+
+import csv
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification
+
+from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel, GPTForSequenceClassification
+from hfgpt.modeling.finetune import (
+    F1,
+    Accuracy,
+    FinetuneInputError,
+    PearsonR,
+    TaskCollator,
+    TaskTokens,
+    TrainingInputError,
+    add_finetune_tokens,
+    compute_metrics_fn,
+    load_metric,
+    transform_example,
+)
+from hfgpt.scripts.demo import build_char_tokenizer
+from hfgpt.scripts.finetune_classification import FinetuneArguments, finetune, main, make_parser
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: one torch thread avoids OpenMP barrier waits on a busy 2-core machine (several times faster).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TOKENS = TaskTokens(start=100, delimiter=101, classify=102)
+TINY = "n_embd=32,n_layer=2,n_head=2,n_positions=32"
+
+
+# --- transforms ---------------------------------------------------------------------------------------
+
+
+def test_classification_transform_wraps_text_in_start_and_classify():
+    assert transform_example("classification", [[5, 6, 7]], TOKENS, n_ctx=16) == [100, 5, 6, 7, 102]
+
+
+def test_entailment_transform_delimits_premise_and_hypothesis():
+    out = transform_example("entailment", [[1, 2], [3]], TOKENS, n_ctx=16)
+    assert out == [100, 1, 2, 101, 3, 102]
+
+
+def test_similarity_transform_gives_both_orders():
+    out = transform_example("similarity", [[1, 2], [3]], TOKENS, n_ctx=16)
+    assert out == [[100, 1, 2, 101, 3, 102], [100, 3, 101, 1, 2, 102]]
+
+
+def test_multiple_choice_transform_gives_one_sequence_per_choice():
+    out = transform_example("multiple_choice", [[1, 2], [3], [4, 5]], TOKENS, n_ctx=16)
+    assert out == [[100, 1, 2, 101, 3, 102], [100, 1, 2, 101, 4, 5, 102]]
+
+
+def test_pair_truncation_follows_train_py_max_len():
+    # train.py: max_len = n_ctx // 2 - 2 per segment; n_ctx 16 -> 6 tokens each, 15 in all.
+    out = transform_example("entailment", [list(range(10)), list(range(20, 30))], TOKENS, n_ctx=16)
+    assert out == [100, 0, 1, 2, 3, 4, 5, 101, 20, 21, 22, 23, 24, 25, 102]
+    single = transform_example("classification", [list(range(40))], TOKENS, n_ctx=16)
+    assert single == [100, *range(14), 102]
+    assert len(transform_example("entailment", [list(range(10))] * 2, TOKENS, 16, truncate=False)) == 23
+
+
+def test_add_finetune_tokens_appends_three_special_tokens_once():
+    tokenizer = build_char_tokenizer("abc")
+    n = len(tokenizer)
+    tokens = add_finetune_tokens(tokenizer)
+    assert (tokens.start, tokens.delimiter, tokens.classify) == (n, n + 1, n + 2)
+    assert add_finetune_tokens(tokenizer) == tokens and len(tokenizer) == n + 3
+    # Special: never split, and dropped by skip_special_tokens.
+    ids = tokenizer("_start_ab_classify_", add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokens.start and ids[-1] == tokens.classify and len(ids) == 4
+
+
+def test_collator_pads_two_and_three_dimensional_batches():
+    collate = TaskCollator(pad_token_id=0)
+    batch = collate([{"input_ids": [5, 6, 7], "labels": 1}, {"input_ids": [8], "labels": 0}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [1, 0]
+    batch = collate(
+        [{"input_ids": [[5, 6], [7]], "mc_labels": 1}, {"input_ids": [[8], [9, 9, 9]], "mc_labels": 0}]
+    )
+    assert batch["input_ids"].shape == (2, 2, 3)
+    assert batch["attention_mask"][1].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert batch["mc_labels"].tolist() == [1, 0]
+    with pytest.raises(FinetuneInputError, match="number of choices"):
+        collate([{"input_ids": [[1], [2]]}, {"input_ids": [[1], [2], [3]]}])
+
+
+# --- the objective L3 = L2 + lambda * L1, by hand -----------------------------------------------------
+
+
+def _tiny_config(**kw) -> GPTConfig:
+    return GPTConfig(vocab_size=20, n_positions=16, n_embd=32, n_layer=2, n_head=2, pad_token_id=0, **kw)
+
+
+def _hand_lm_loss(
+    hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, wte: torch.Tensor
+) -> torch.Tensor:
+    """train.py: per-sequence mean over real next-token positions (mask M[:, 1:]), then the batch mean."""
+    hidden, ids, mask = (
+        hidden.reshape(-1, *hidden.shape[-2:]),
+        ids.reshape(-1, ids.shape[-1]),
+        mask.reshape(-1, mask.shape[-1]),
+    )
+    per_seq = []
+    for h, x, m in zip(hidden, ids, mask, strict=True):
+        logits = h[:-1] @ wte.T
+        losses = -torch.log_softmax(logits, -1).gather(-1, x[1:, None]).squeeze(-1)
+        per_seq.append((losses * m[1:]).sum() / m[1:].sum())
+    return torch.stack(per_seq).mean()
+
+
+def _batch(shape: tuple[int, ...], classify: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 18, shape, generator=gen)
+    mask = torch.ones(shape, dtype=torch.long)
+    # Variable lengths: the classify token ends each row, padding (0) after it.
+    lengths = torch.randint(4, shape[-1] + 1, shape[:-1], generator=gen)
+    for idx in np.ndindex(*shape[:-1]):
+        n = int(lengths[idx])
+        ids[idx][n - 1] = classify
+        ids[idx][n:] = 0
+        mask[idx][n:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("shape", [(3, 10), (3, 2, 10)], ids=["single", "similarity-both-orders"])
+@pytest.mark.parametrize("lam", [0.5, 0.0])
+def test_sequence_classification_loss_is_l2_plus_lambda_l1(shape, lam):
+    torch.manual_seed(0)
+    model = GPTForSequenceClassification(
+        _tiny_config(num_labels=3, classify_token_id=19, lm_loss_weight=lam)
+    ).eval()
+    ids, mask = _batch(shape)
+    labels = torch.tensor([0, 2, 1])
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+
+    hidden = model.transformer(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, [K,] T, E)
+    clf_pos = (ids == 19).long().argmax(-1)  # train.py pools at the clf token
+    pooled = hidden.gather(-2, clf_pos[..., None, None].expand(*clf_pos.shape, 1, 32)).squeeze(-2)
+    if len(shape) == 3:
+        pooled = pooled.sum(1)  # §3.3: the two orderings' representations added
+    l2 = F.cross_entropy(model.score(pooled), labels)
+    l1 = _hand_lm_loss(hidden, ids, mask, model.transformer.wte.weight)
+
+    torch.testing.assert_close(out.classification_loss, l2)
+    torch.testing.assert_close(out.loss, l2 + lam * l1)
+    if lam:
+        torch.testing.assert_close(out.lm_loss, l1)
+    else:
+        assert out.lm_loss is None
+
+
+def test_double_heads_loss_is_mc_loss_plus_lambda_l1():
+    torch.manual_seed(0)
+    model = GPTDoubleHeadsModel(_tiny_config(classify_token_id=19, lm_loss_weight=0.5)).eval()
+    ids, mask = _batch((2, 3, 10))
+    mc_labels = torch.tensor([2, 0])
+    out = model(input_ids=ids, attention_mask=mask, mc_labels=mc_labels)
+
+    hidden = model.transformer(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, C, T, E)
+    clf_pos = (ids == 19).long().argmax(-1)
+    pooled = hidden.gather(-2, clf_pos[..., None, None].expand(*clf_pos.shape, 1, 32)).squeeze(-2)
+    mc_logits = model.multiple_choice_head.summary(pooled).squeeze(-1)  # (B, C)
+    l2 = F.cross_entropy(mc_logits, mc_labels)
+    l1 = _hand_lm_loss(hidden, ids, mask, model.transformer.wte.weight)
+    torch.testing.assert_close(out.mc_logits, mc_logits)
+    torch.testing.assert_close(out.loss, l2 + 0.5 * l1)
+
+
+# --- metrics ------------------------------------------------------------------------------------------
+
+
+def test_local_metrics_match_hand_values(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pred, ref = [1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 1, 1]
+    assert Accuracy().compute(predictions=pred, references=ref) == {"accuracy": 4 / 6}
+    # positive class: tp 3, fp 1, fn 1 -> 6 / 8; class 0: tp 1, fp 1, fn 1 -> 2 / 4
+    assert F1().compute(predictions=pred, references=ref)["f1"] == pytest.approx(0.75)
+    assert F1().compute(predictions=pred, references=ref, average="macro")["f1"] == pytest.approx(0.625)
+    x, y = [1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 5.0, 9.0]
+    r = PearsonR().compute(predictions=x, references=y)["pearsonr"]
+    # (x - 2.5) . (y - 5) = 4.5 + 0.5 + 0 + 6 = 11; |x - 2.5|^2 = 5; |y - 5|^2 = 26
+    assert r == pytest.approx(11 / math.sqrt(5 * 26))
+    metric = load_metric("accuracy")
+    metric.add_batch(predictions=[1, 1], references=[1, 0])
+    metric.add_batch(predictions=[0], references=[0])
+    assert metric.compute() == {"accuracy": pytest.approx(2 / 3)}
+
+
+def test_compute_metrics_fn_takes_argmax_of_logits():
+    class EvalPred:
+        predictions = np.array([[0.1, 0.9], [2.0, -1.0], [0.0, 3.0]])
+        label_ids = np.array([1, 1, 1])
+
+    assert compute_metrics_fn(["accuracy", "f1"])(EvalPred()) == {
+        "accuracy": pytest.approx(2 / 3),
+        "f1": pytest.approx(0.8),
+    }
+
+
+# --- hfgpt-finetune end to end -----------------------------------------------------------------------
+
+
+def _write_pairs(path: Path, n: int, seed: int = 0, label=lambda a, b: int(a == b)) -> Path:
+    rng = random.Random(seed)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["premise", "hypothesis", "label"])
+        for _ in range(n):
+            a = "".join(rng.choice("abc") for _ in range(5))
+            b = a if rng.random() < 0.5 else "".join(rng.choice("abc") for _ in range(5))
+            writer.writerow([a, b, label(a, b)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tok")
+    build_char_tokenizer("abc ").save_pretrained(path)
+    return str(path)
+
+
+def _run(tmp_path: Path, tokenizer_dir: str, *extra: str) -> tuple[FinetuneArguments, object]:
+    argv = [
+        "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", tokenizer_dir,
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "8",
+        "--use_cpu", "true", "--disable_tqdm", "true", "--save_strategy", "no", *extra,
+    ]  # fmt: skip
+    return make_parser().parse_args_into_dataclasses(args=argv)
+
+
+def test_paper_defaults_are_the_parser_defaults():
+    _, training_args = make_parser().parse_args_into_dataclasses(args=["--use_cpu", "true"])
+    assert training_args.learning_rate == 6.25e-5
+    assert training_args.per_device_train_batch_size == 32
+    assert training_args.num_train_epochs == 3
+    assert training_args.warmup_steps == 0.002
+    assert str(training_args.lr_scheduler_type.value) == "linear"
+    assert str(training_args.optim.value) == "adamw_torch_fused"
+    assert FinetuneArguments().lm_loss_weight == 0.5
+
+
+def test_finetune_entailment_reports_metrics_and_saves_a_loadable_checkpoint(tmp_path, tokenizer_dir):
+    data = _write_pairs(tmp_path / "train.csv", 24)
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--task", "entailment", "--text_columns", "premise,hypothesis",
+        "--train_file", str(data), "--validation_file", str(data), "--metrics", "accuracy,f1",
+    )  # fmt: skip
+    metrics = finetune(args, training_args)
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and 0.0 <= metrics["eval_f1"] <= 1.0
+    assert math.isfinite(metrics["eval_loss"])
+    out = tmp_path / "out"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "all_results.json"):
+        assert (out / name).is_file(), name
+    assert not (out / ".hfgpt-final.tmp").exists()
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert isinstance(model, GPTForSequenceClassification)
+    assert model.config.lm_loss_weight == 0.5 and model.config.num_labels == 2
+    assert model.config.classify_token_id == len(build_char_tokenizer("abc ")) + 2  # _classify_ appended
+
+
+def test_finetune_multiple_choice_uses_double_heads(tmp_path, tokenizer_dir):
+    rng = random.Random(1)
+    path = tmp_path / "mc.jsonl"
+    with path.open("w") as f:
+        for _ in range(16):
+            ctx = "".join(rng.choice("abc") for _ in range(4))
+            f.write(
+                json.dumps({"ctx": ctx, "e0": ctx[::-1], "e1": "ccc", "e2": "ab", "label": rng.randrange(3)})
+                + "\n"
+            )
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--task", "multiple_choice", "--text_columns", "ctx,e0,e1,e2",
+        "--train_file", str(path), "--validation_file", str(path),
+    )  # fmt: skip
+    metrics = finetune(args, training_args)
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    model = GPTDoubleHeadsModel.from_pretrained(tmp_path / "out")
+    assert model.config.lm_loss_weight == 0.5
+
+
+def test_plain_recipe_regression_reports_pearson(tmp_path, tokenizer_dir):
+    rng = random.Random(2)
+    path = tmp_path / "reg.json"
+    path.write_text(
+        "\n".join(json.dumps({"text": "a" * (n := rng.randrange(1, 8)), "score": n / 3}) for _ in range(16))
+    )
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--recipe", "plain", "--label_column", "score", "--metrics", "pearsonr",
+        "--train_file", str(path), "--validation_file", str(path),
+    )  # fmt: skip
+    metrics = finetune(args, training_args)
+    assert -1.0 <= metrics["eval_pearsonr"] <= 1.0
+    model = GPTForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert model.config.num_labels == 1 and model.config.lm_loss_weight == 0.0
+
+
+# --- bad input: a clear message before training ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", r"train_file '.*nope\.csv' does not exist"),
+        ("empty", r"train_file '.*empty\.csv' is empty"),
+        ("column", r"train data has no column 'hypothesis' \(columns: premise, label\)"),
+        ("label", r"train data row \d+: label 7 is outside \[0, 2\) \(num_labels\)"),
+        ("too-long", r"row \d+: the transformed input has \d+ tokens, more than the model's context of 32"),
+    ],
+)
+def test_bad_input_is_refused_before_training(tmp_path, tokenizer_dir, case, message, capsys):
+    data = tmp_path / "train.csv"
+    extra: list[str] = []
+    if case == "missing":
+        data = tmp_path / "nope.csv"
+    elif case == "empty":
+        data = tmp_path / "empty.csv"
+        data.write_text("")
+    elif case == "column":
+        data.write_text("premise,label\nabc,1\n")
+    elif case == "label":
+        _write_pairs(data, 8, label=lambda a, b: 7 if a == b else 0)
+        extra = ["--num_labels", "2"]
+    else:
+        data.write_text("premise,hypothesis,label\n" + "a" * 30 + ",bbb,1\nab,ab,0\n")
+        extra = ["--truncate", "false"]
+    argv = [
+        "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", tokenizer_dir,
+        "--task", "entailment", "--text_columns", "premise,hypothesis", "--train_file", str(data),
+        "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", *extra,
+    ]  # fmt: skip
+    args, training_args = make_parser().parse_args_into_dataclasses(args=argv)
+    with pytest.raises(TrainingInputError, match=message):  # FinetuneInputError is one
+        finetune(args, training_args)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("checkpoint-*"))
+    # The command prints one clean line and exits non-zero.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in err
