@@ -318,7 +318,7 @@ def train_lm(
         callbacks=callbacks,
     )
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    metrics = dict(result.metrics)
+    metrics = {**result.metrics, "train_steps": trainer.state.global_step}
     eval_metrics = trainer.evaluate()
     eval_metrics["perplexity"] = math.exp(min(eval_metrics["eval_loss"], 700.0))
     metrics.update(eval_metrics)
@@ -364,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    # One line per process, so a data-parallel run shows that every process trained.
+    print(
+        f"[process {training_args.process_index}/{training_args.world_size}] trained "
+        f"{metrics['train_steps']} steps"
+    )
     if training_args.process_index == 0:
         summary = {k: metrics[k] for k in ("train_loss", "eval_loss", "perplexity") if k in metrics}
         print(json.dumps(summary, indent=2))

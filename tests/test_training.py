@@ -1,0 +1,233 @@
+"""hfgpt-train: causal-LM training through Trainer on local files, a complete reloadable checkpoint, exact
+resumption after an interruption, data-parallel runs under `accelerate launch`, and clear input errors."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from hfgpt.modeling import GPTForCausalLM
+from hfgpt.modeling.finetune import TrainingInputError
+from hfgpt.scripts.demo import build_char_tokenizer
+from hfgpt.scripts.train_lm import DataArguments, load_raw_splits, main, make_parser, pack_blocks, train_lm
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "n_embd=32,n_layer=2,n_head=2,n_positions=32"
+WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: one torch thread avoids OpenMP barrier waits on a busy 2-core machine (several times faster).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, str]:
+    """A character tokenizer and the same small corpus as .txt, .jsonl and .csv."""
+    root = tmp_path_factory.mktemp("corpus")
+    build_char_tokenizer("abcdefghijklmnopqrstuvwxyz .,").save_pretrained(root / "tok")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(6)) + "." for _ in range(120)]
+    (root / "train.txt").write_text("\n".join(lines) + "\n")
+    (root / "train.jsonl").write_text(
+        "\n".join(json.dumps({"body": line, "id": i}) for i, line in enumerate(lines))
+    )
+    (root / "train.csv").write_text("id,body\n" + "\n".join(f"{i},{line}" for i, line in enumerate(lines)))
+    return {
+        "root": str(root),
+        "tok": str(root / "tok"),
+        **{ext: str(root / f"train.{ext}") for ext in ("txt", "jsonl", "csv")},
+    }
+
+
+def _argv(corpus: dict, out: Path, *extra: str) -> list[str]:
+    return [
+        "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", corpus["tok"],
+        "--train_file", corpus["txt"], "--output_dir", str(out), "--per_device_train_batch_size", "4",
+        "--use_cpu", "true", "--disable_tqdm", "true", "--seed", "7", *extra,
+    ]  # fmt: skip
+
+
+def _parse(argv: list[str]):
+    return make_parser().parse_args_into_dataclasses(args=argv)
+
+
+def test_cpu_defaults():
+    _, _, training_args = _parse(["--output_dir", "x"])
+    assert str(training_args.optim.value) == "adamw_torch_fused"
+    assert (
+        training_args.report_to == []
+        or training_args.report_to == ["none"]
+        or training_args.report_to == "none"
+    )
+    assert training_args.dataloader_num_workers == 0
+
+
+def test_pack_blocks_concatenates_rows_with_eos_and_cuts_full_blocks(corpus):
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tok"])
+    raw = load_raw_splits(DataArguments(train_file=corpus["txt"]), seed=0)
+    blocks = pack_blocks(raw, tokenizer, "text", block_size=16)
+    expected: list[int] = []
+    for text in raw["train"]["text"]:
+        expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    got = [t for row in blocks["train"]["input_ids"] for t in row]
+    assert got == expected[: len(expected) // 16 * 16]
+    assert all(len(row) == 16 for row in blocks["train"]["input_ids"])
+    assert blocks["train"]["labels"] == blocks["train"]["input_ids"]
+    assert raw["validation"].num_rows == 6  # 5 % of 120 held out when there is no validation file
+
+
+def test_train_saves_a_complete_checkpoint_that_loads(tmp_path, corpus):
+    model_args, data_args, training_args = _parse(_argv(corpus, tmp_path / "out", "--max_steps", "4"))
+    metrics = train_lm(model_args, data_args, training_args)
+    assert metrics["train_steps"] == 4
+    assert metrics["perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    out = tmp_path / "out"
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"):
+        assert (out / name).is_file(), name
+    assert not (out / ".hfgpt-final.tmp").exists()
+    assert "causal language modelling" in (out / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert isinstance(model, GPTForCausalLM) and model.config.vocab_size == len(tokenizer)
+    ids = tokenizer("the cat", return_tensors="pt")["input_ids"]
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "csv"])
+def test_json_and_csv_files_with_a_text_column(tmp_path, corpus, ext):
+    argv = _argv(
+        corpus, tmp_path / "out", "--max_steps", "1", "--text_column", "body", "--eval_strategy", "no"
+    )
+    argv[argv.index(corpus["txt"])] = corpus[ext]
+    metrics = train_lm(*_parse(argv))
+    assert metrics["train_steps"] == 1 and math.isfinite(metrics["eval_loss"])
+
+
+def test_continue_training_from_a_checkpoint(tmp_path, corpus):
+    train_lm(*_parse(_argv(corpus, tmp_path / "a", "--max_steps", "2", "--eval_strategy", "no")))
+    argv = _argv(corpus, tmp_path / "b", "--max_steps", "2", "--eval_strategy", "no")
+    start = argv.index("--preset")
+    argv[start : start + 4] = ["--model_name_or_path", str(tmp_path / "a")]
+    train_lm(*_parse(argv))
+    before, after = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    assert not torch.equal(
+        before["transformer.h.0.attn.c_attn.weight"], after["transformer.h.0.attn.c_attn.weight"]
+    )
+
+
+class StopAt(TrainerCallback):
+    """Simulates an interruption: stop after `step` (the checkpoint of that step is saved first)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def test_resumed_training_gives_the_same_weights_as_straight_training(tmp_path, corpus):
+    # Dropout stays on (GPT-2's 0.1): resumption must also restore the RNG states and the data order.
+    common = ("--max_steps", "6", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "100")
+    train_lm(*_parse(_argv(corpus, tmp_path / "straight", *common)))
+
+    train_lm(*_parse(_argv(corpus, tmp_path / "resumed", *common)), callbacks=[StopAt(3)])
+    assert (tmp_path / "resumed" / "checkpoint-3").is_dir()
+    interrupted = load_file(tmp_path / "resumed" / "model.safetensors")
+    checkpoint = str(tmp_path / "resumed" / "checkpoint-3")
+    metrics = train_lm(
+        *_parse(_argv(corpus, tmp_path / "resumed", *common, "--resume_from_checkpoint", checkpoint))
+    )
+    assert metrics["train_steps"] == 6
+
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0, msg=key)
+    assert not torch.equal(interrupted["transformer.wte.weight"], straight["transformer.wte.weight"])
+
+
+def test_accelerate_launch_two_processes(tmp_path, corpus):
+    out = tmp_path / "ddp"
+    argv = _argv(corpus, out, "--max_steps", "3", "--save_strategy", "no", "--eval_strategy", "no")
+    # accelerate's torchrun launcher (`--multi_gpu`) with TrainingArguments.use_cpu runs DDP over gloo on
+    # CPU; `accelerate launch --cpu` would start a single process (multi-CPU there means MPI).
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(REPO / "scripts" / "train_lm.py"), *argv,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both processes trained, one wrote the checkpoint.
+    assert "[process 0/2] trained 3 steps" in proc.stdout and "[process 1/2] trained 3 steps" in proc.stdout
+    assert proc.stdout.count("checkpoint: ") == 1
+    # Each step consumed one batch per process: an epoch is ceil(blocks / (4 per device * 2 processes)) steps.
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tok"])
+    n_blocks = pack_blocks(
+        load_raw_splits(DataArguments(train_file=corpus["txt"]), seed=7), tokenizer, "text", 32
+    )["train"].num_rows
+    epoch = json.loads((out / "all_results.json").read_text())["epoch"]
+    assert epoch == pytest.approx(3 / math.ceil(n_blocks / 8))
+    assert isinstance(AutoModelForCausalLM.from_pretrained(out), GPTForCausalLM)
+
+
+# --- bad input: a clear message before training -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", r"train_file '.*nope\.txt' does not exist"),
+        ("empty", r"train_file '.*empty\.txt' is empty"),
+        ("column", r"train data has no column 'body' \(columns: text\)"),
+        ("block", r"--block_size 64 must be in \[2, 32\]"),
+        ("too-little", r"the train data has 12 tokens, fewer than one block of 32"),
+        ("small-validation", r"the validation data has 6 tokens, fewer than one block of 32"),
+        ("preset", r"unknown preset 'gpt5'"),
+    ],
+)
+def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, capsys):
+    argv = _argv(corpus, tmp_path / "out")
+    data = argv.index(corpus["txt"])
+    if case == "missing":
+        argv[data] = str(tmp_path / "nope.txt")
+    elif case == "empty":
+        (tmp_path / "empty.txt").write_text("")
+        argv[data] = str(tmp_path / "empty.txt")
+    elif case == "column":
+        argv += ["--text_column", "body"]
+    elif case == "block":
+        argv += ["--block_size", "64"]
+    elif case in ("too-little", "small-validation"):
+        # 5 % held out for validation: 3 rows -> 2 train rows; 20 rows -> 1 validation row (6 tokens).
+        (tmp_path / "short.txt").write_text("a cat\n" * (3 if case == "too-little" else 20))
+        argv[data] = str(tmp_path / "short.txt")
+    else:
+        argv[argv.index("gpt2")] = "gpt5"
+    with pytest.raises(TrainingInputError, match=message):
+        train_lm(*_parse(argv))
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
