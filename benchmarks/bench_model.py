@@ -1,0 +1,857 @@
+"""Speed and memory of hfgpt beside transformers' own GPT-2 / GPT-1, on identical random weights.
+
+What is measured (issue 7), each as a ratio against the peer in the same run:
+
+* prefill: a forward over B x T tokens, with logits at every position and at the last one only
+  (`logits_to_keep=1`), tokens/s and model FLOPs utilisation against the measured matmul rate;
+* decoding: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
+  new tokens/s, the generated tokens checked identical; beside it the bandwidth floor of one step
+  (weight bytes / measured memory read rate) and lower-precision variants (bfloat16, int8 weights);
+* a training step: forward, backward and fused AdamW, s/step and MFU;
+* peak memory of each of those, every measurement in its own subprocess (peak RSS on CPU,
+  `torch.cuda.max_memory_allocated` on CUDA);
+* `StaticCache` + `torch.compile` generation (compile time reported separately);
+* on CUDA only: a bfloat16-autocast training step.
+
+Timings on a shared machine drift, so hfgpt and the peer are run interleaved (ours, peer, peer, ours,
+...) and the medians and the spread (min-max) are reported. Run `python benchmarks/bench_model.py
+--help`; `--quick` fits a 2-core machine in a few minutes, `--tiny` is the test suite's smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    CompileConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    OpenAIGPTConfig,
+    OpenAIGPTLMHeadModel,
+    PreTrainedModel,
+)
+from transformers import logging as hf_logging
+from transformers.pytorch_utils import Conv1D
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+
+FAMILIES = ("gpt2", "gpt1")
+SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
+
+# Sizes per profile. `full` is the issue's list; `quick` trims repeats and decoding length so the whole
+# run fits a few minutes on 2 cores; `tiny` shrinks the models themselves (hidden 32, 2 layers).
+PROFILES: dict[str, dict[str, Any]] = {
+    "full": dict(
+        prefill_shapes=[(1, 512), (4, 256)],
+        decode_batches=[1, 8],
+        prompt_len=64,
+        new_tokens=128,
+        train_shape=(4, 256),
+        repeats=5,
+        decode_repeats=3,
+        slow_peer_repeats=1,  # OpenAIGPT recomputes the whole sequence per token
+        model_overrides={},
+    ),
+    "quick": dict(
+        prefill_shapes=[(1, 512), (4, 256)],
+        decode_batches=[1, 8],
+        prompt_len=64,
+        new_tokens=32,
+        train_shape=(4, 256),
+        repeats=3,
+        decode_repeats=2,
+        slow_peer_repeats=1,
+        model_overrides={},
+    ),
+    "tiny": dict(
+        prefill_shapes=[(2, 16)],
+        decode_batches=[1, 3],
+        prompt_len=8,
+        new_tokens=6,
+        train_shape=(2, 16),
+        repeats=2,
+        decode_repeats=1,
+        slow_peer_repeats=1,
+        model_overrides=dict(n_embd=32, n_layer=2, n_head=2, vocab_size=1000, n_positions=64),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+
+
+def our_config(family: str, overrides: dict[str, Any]) -> GPTConfig:
+    return GPTConfig.from_preset("gpt2" if family == "gpt2" else "openai-gpt", **overrides)
+
+
+def peer_config(config: GPTConfig, family: str) -> GPT2Config | OpenAIGPTConfig:
+    """The transformers config of the same shape. OpenAIGPT's `afn="gelu"` is the tanh GELU."""
+    shape = dict(
+        vocab_size=config.vocab_size,
+        n_positions=config.n_positions,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        resid_pdrop=config.resid_pdrop,
+        embd_pdrop=config.embd_pdrop,
+        attn_pdrop=config.attn_pdrop,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+    )
+    if family == "gpt2":
+        return GPT2Config(**shape, attn_implementation="sdpa")
+    return OpenAIGPTConfig(**shape, afn="gelu")
+
+
+# Our state dict -> OpenAIGPTLMHeadModel's (everything else already has the same name).
+TO_OPENAI_GPT = {
+    "transformer.wte.": "transformer.tokens_embed.",
+    "transformer.wpe.": "transformer.positions_embed.",
+}
+
+
+def build_ours(family: str, overrides: dict[str, Any], device: str, seed: int = 0) -> GPTForCausalLM:
+    torch.manual_seed(seed)
+    return GPTForCausalLM(our_config(family, overrides)).to(device)
+
+
+def build_peer(ours: GPTForCausalLM, family: str) -> PreTrainedModel:
+    """transformers' model of the same shape holding a copy of `ours`' weights."""
+    config = peer_config(ours.config, family)
+    peer = GPT2LMHeadModel(config) if family == "gpt2" else OpenAIGPTLMHeadModel(config)
+    state = {}
+    for key, value in ours.state_dict().items():
+        if family == "gpt1":
+            for old, new in TO_OPENAI_GPT.items():
+                key = key.replace(old, new)
+        state[key] = value
+    missing, unexpected = peer.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing or unexpected:
+        raise RuntimeError(f"weights did not transfer: missing {missing}, unexpected {unexpected}")
+    peer.tie_weights()
+    return peer.to(ours.device)
+
+
+def to_int8_decoding(model: GPTForCausalLM) -> nn.Module:
+    """A copy of `model` for CPU decoding with int8 weights: torch.ao dynamic quantisation.
+
+    `quantize_dynamic` handles `nn.Linear` only, so each Conv1D ([in, out] weights, as OpenAI's release)
+    becomes the equivalent `nn.Linear` first; the LM head (tied to `wte`) gets its own int8 copy while
+    the embedding lookup stays float32. Activations are quantised per batch at run time.
+    """
+    with warnings.catch_warnings():
+        # torch.ao's eager quantisation is deprecated in favour of torchao (not a dependency here); it
+        # still ships and works in the torch versions this project pins.
+        warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
+        from torch.ao.quantization import quantize_dynamic
+
+        model = copy.deepcopy(model).eval()
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, Conv1D):
+                    linear = nn.Linear(child.weight.shape[0], child.weight.shape[1])
+                    linear.weight.data = child.weight.data.t().contiguous()
+                    linear.bias.data = child.bias.data.clone()
+                    setattr(module, name, linear)
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOPs and the hardware limits
+
+
+def forward_flops(config: GPTConfig, batch: int, seq_len: int, logit_positions: int) -> float:
+    """Matmul FLOPs of one forward: 2 per multiply-add of the linear layers, causal attention (QK^T and
+    AV, half of the T x T square on average) and the LM head at `logit_positions` positions per row."""
+    embd, inner, layers = config.n_embd, config.inner_size, config.n_layer
+    per_token_linear = 2 * (embd * 3 * embd + embd * embd + 2 * embd * inner) * layers
+    per_token_attention = 2 * 2 * embd * (seq_len + 1) / 2 * layers
+    head = 2 * embd * config.vocab_size * logit_positions * batch
+    return batch * seq_len * (per_token_linear + per_token_attention) + head
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes one decoding step must stream: every parameter except the position table (one row read)."""
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters():
+        if name.endswith("wpe.weight") or id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel() * param.element_size()
+    return total
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
+    """The fp32 matmul rate (best median over GPT-2-like shapes) and the memory read rate."""
+    shapes = [(256, 64, 256)] if tiny else [(2048, 768, 3072), (2048, 3072, 768), (2048, 2048, 2048)]
+    best = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(k, n, device=device)
+        times = []
+        for _ in range(repeats + 2):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            synchronize(device)
+            times.append((time.perf_counter() - start) / 4)
+        best = max(best, 2 * m * k * n / statistics.median(times[2:]))
+    # Read bandwidth: sum over a buffer the size of GPT-2 124M's weights (a reduction streams it once).
+    numel = (1 << 16) if tiny else 494_000_000 // 4
+    buffer = torch.ones(numel, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    bandwidth = numel * 4 / statistics.median(times[2:])
+    return {"matmul_flops_per_s": best, "read_bytes_per_s": bandwidth}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclass
+class Timing:
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "median_s": self.median,
+            "min_s": min(self.times),
+            "max_s": max(self.times),
+            "n": len(self.times),
+        }
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    device: str,
+    warmup: int = 1,
+    repeats_of: dict | None = None,
+) -> dict[str, Timing]:
+    """Time each callable `repeats` times, alternating the order every round (ABBA...) so that drift in
+    the machine's speed hits every contender alike. `repeats_of` lowers the count for slow ones."""
+    timings = {name: Timing() for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    for round_ in range(repeats):
+        order = list(fns) if round_ % 2 == 0 else list(reversed(fns))
+        for name in order:
+            if repeats_of and round_ >= repeats_of.get(name, repeats):
+                continue
+            synchronize(device)
+            start = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            timings[name].times.append(time.perf_counter() - start)
+    return timings
+
+
+def left_padded_prompts(
+    batch: int, length: int, vocab: int, pad_id: int, device: str
+) -> dict[str, torch.Tensor]:
+    """Prompts of different lengths (the longest `length`), left-padded, with their attention mask."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(batch):
+        pad = (row * length) // (2 * max(batch, 1))  # rows lose up to half of their length
+        ids[row, :pad] = pad_id
+        mask[row, :pad] = 0
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def greedy(
+    model: nn.Module, prompts: dict[str, torch.Tensor], new_tokens: int, **kwargs: Any
+) -> torch.Tensor:
+    # min_new_tokens keeps every run at exactly `new_tokens` steps even when a row samples EOS.
+    return model.generate(
+        **prompts,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        **kwargs,
+    )[:, prompts["input_ids"].shape[1] :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class Row:
+    section: str
+    family: str
+    case: str
+    impl: str
+    median_s: float
+    min_s: float
+    max_s: float
+    n: int
+    rate: float  # tokens/s, new tokens/s or steps/s depending on `unit`
+    unit: str
+    mfu: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    rows = []
+    for batch, seq_len in ctx.profile["prefill_shapes"]:
+        ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
+        with torch.inference_mode():
+            err = (ours(ids).logits - peer(ids).logits).abs().max().item()
+        for keep, label in ((0, "all logits"), (1, "last logits")):
+            fns = {
+                "hfgpt": lambda m=ours, k=keep, x=ids: _forward(m, x, k),
+                "transformers": lambda m=peer, k=keep, x=ids: _forward(m, x, k),
+            }
+            flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
+            for impl, timing in interleaved(fns, ctx.repeats, ctx.device).items():
+                rows.append(
+                    Row(
+                        "prefill",
+                        family,
+                        f"B={batch}x{seq_len}, {label}",
+                        impl,
+                        **timing.summary(),
+                        rate=batch * seq_len / timing.median,
+                        unit="tok/s",
+                        mfu=flops / timing.median / ctx.hardware["matmul_flops_per_s"],
+                        extra={"max_abs_logit_diff": err},
+                    )
+                )
+    return rows
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, keep: int) -> None:
+    with torch.inference_mode():
+        if keep and isinstance(model, OpenAIGPTLMHeadModel):
+            # OpenAIGPT's forward has no logits_to_keep: it always computes every position.
+            model(ids)
+        elif keep:
+            model(ids, logits_to_keep=keep)
+        else:
+            model(ids)
+
+
+def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    rows = []
+    new = ctx.profile["new_tokens"]
+    floor = decode_weight_bytes(ours) / ctx.hardware["read_bytes_per_s"]
+    for batch in ctx.profile["decode_batches"]:
+        prompts = left_padded_prompts(batch, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
+        with torch.inference_mode():
+            tokens = {"hfgpt": greedy(ours, prompts, new), "transformers": greedy(peer, prompts, new)}
+        same = bool(torch.equal(tokens["hfgpt"], tokens["transformers"]))
+        fns = {
+            "hfgpt": lambda p=prompts: _no_grad(greedy, ours, p, new),
+            "transformers": lambda p=prompts: _no_grad(greedy, peer, p, new),
+        }
+        repeats_of = {"transformers": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
+        timings = interleaved(fns, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=repeats_of)
+        for impl, timing in timings.items():
+            rows.append(
+                Row(
+                    "decode",
+                    family,
+                    f"B={batch}, {ctx.profile['prompt_len']}+{new} tokens",
+                    impl,
+                    **timing.summary(),
+                    rate=batch * new / timing.median,
+                    unit="new tok/s",
+                    extra={
+                        "tokens_identical": same,
+                        "ms_per_step": 1000 * timing.median / new,
+                        "floor_ms_per_step": 1000 * floor,
+                    },
+                )
+            )
+    return rows
+
+
+def _no_grad(fn: Callable, *args: Any) -> Any:
+    with torch.inference_mode():
+        return fn(*args)
+
+
+def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
+    """Lower-precision decoding (B=1): bfloat16 weights and int8 dynamic quantisation (CPU), against
+    float32 hfgpt and transformers, with the accuracy cost: logit error on a prefill and greedy agreement."""
+    new = ctx.profile["new_tokens"]
+    prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
+    variants: dict[str, nn.Module] = {"hfgpt fp32": ours, "transformers fp32": peer}
+    variants["hfgpt bf16"] = copy.deepcopy(ours).to(torch.bfloat16)
+    if ctx.device == "cpu":
+        variants["hfgpt int8"] = to_int8_decoding(ours)
+    ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)), device=ctx.device)
+    with torch.inference_mode():
+        reference = ours(ids).logits.float()
+        ref_tokens = greedy(ours, prompts, new)
+        accuracy = {}
+        for name, model in variants.items():
+            logits = model(ids).logits.float()
+            tokens = greedy(model, prompts, new)
+            agree = (tokens == ref_tokens).float()
+            first_diff = int((agree == 0).nonzero()[0, 1]) if (agree == 0).any() else new
+            accuracy[name] = {
+                "max_abs_logit_err": (logits - reference).abs().max().item(),
+                "rel_logit_err": ((logits - reference).norm() / reference.norm()).item(),
+                "top1_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                "greedy_token_agreement": agree.mean().item(),
+                "greedy_first_divergence": first_diff,
+            }
+    fns = {name: (lambda m=model: _no_grad(greedy, m, prompts, new)) for name, model in variants.items()}
+    rows = []
+    floor = decode_weight_bytes(ours) / ctx.hardware["read_bytes_per_s"]
+    for name, timing in interleaved(fns, ctx.decode_repeats, ctx.device, warmup=1).items():
+        rows.append(
+            Row(
+                "lowp",
+                family,
+                f"B=1, {ctx.profile['prompt_len']}+{new} tokens",
+                name,
+                **timing.summary(),
+                rate=new / timing.median,
+                unit="new tok/s",
+                extra={
+                    **accuracy[name],
+                    "ms_per_step": 1000 * timing.median / new,
+                    "fp32_floor_ms_per_step": 1000 * floor,
+                },
+            )
+        )
+    return rows
+
+
+def make_train_step(
+    model: nn.Module, ids: torch.Tensor, autocast_dtype: torch.dtype | None = None
+) -> Callable:
+    model.train()
+    fused = True
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+
+    def step() -> None:
+        with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    batch, seq_len = ctx.profile["train_shape"]
+    ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
+    flops = 3 * forward_flops(ours.config, batch, seq_len, seq_len)
+    setups = [("fp32", None)]
+    if ctx.device.startswith("cuda"):
+        setups.append(("bf16 autocast", torch.bfloat16))  # unmeasured on the CPU-only dev machine
+    rows = []
+    for label, dtype in setups:
+        # Copies, so the optimizer steps do not change the weights the other sections use.
+        a, b = copy.deepcopy(ours), copy.deepcopy(peer)
+        fns = {"hfgpt": make_train_step(a, ids, dtype), "transformers": make_train_step(b, ids, dtype)}
+        for impl, timing in interleaved(fns, ctx.repeats, ctx.device).items():
+            rows.append(
+                Row(
+                    "train",
+                    family,
+                    f"B={batch}x{seq_len}, {label}, fused AdamW",
+                    impl,
+                    **timing.summary(),
+                    rate=batch * seq_len / timing.median,
+                    unit="tok/s",
+                    mfu=flops / timing.median / ctx.hardware["matmul_flops_per_s"],
+                    extra={"s_per_step": timing.median},
+                )
+            )
+        del a, b
+    return rows
+
+
+def compile_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
+    """generate() with a StaticCache and the forward compiled by transformers' compile_config.
+    OpenAIGPT has no cache, so for GPT-1 only hfgpt runs here."""
+    new = ctx.profile["new_tokens"]
+    prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
+    contenders = {"hfgpt": ours} if family == "gpt1" else {"hfgpt": ours, "transformers": peer}
+    fns, compile_s, tokens = {}, {}, {}
+    for name, model in contenders.items():
+        model = copy.deepcopy(model).eval()
+        config = CompileConfig(fullgraph=True, mode="default" if ctx.device == "cpu" else "reduce-overhead")
+        # transformers compiles automatically on accelerators only; this opts the CPU in as well.
+        config._compile_all_devices = True
+        model.generation_config.compile_config = config
+        kwargs = {"cache_implementation": "static"}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens[name] = greedy(model, prompts, new, **kwargs)
+        compile_s[name] = time.perf_counter() - start
+        fns[name] = lambda m=model, k=kwargs: _no_grad(lambda: greedy(m, prompts, new, **k))
+    with torch.inference_mode():
+        eager_tokens = greedy(ours, prompts, new)
+    rows = []
+    for name, timing in interleaved(fns, ctx.decode_repeats, ctx.device, warmup=1).items():
+        rows.append(
+            Row(
+                "compile",
+                family,
+                f"B=1, {ctx.profile['prompt_len']}+{new}, static cache, compiled",
+                name,
+                **timing.summary(),
+                rate=new / timing.median,
+                unit="new tok/s",
+                extra={
+                    "first_call_s (compile)": compile_s[name],
+                    "tokens_equal_eager_hfgpt": bool(torch.equal(tokens[name], eager_tokens)),
+                    "ms_per_step": 1000 * timing.median / new,
+                },
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory, one subprocess per measurement
+
+
+def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside a fresh process: build one model, run one task twice, report the process's peak."""
+    device, family, profile = spec["device"], spec["family"], PROFILES[spec["profile"]]
+    model = build_ours(family, profile["model_overrides"], device)
+    if spec["impl"] == "transformers":
+        model = build_peer(model, family)  # the hfgpt copy is dropped right after
+    model.eval()
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    base_rss = _current_rss()
+    task = spec["task"]
+    if task == "train":
+        batch, seq_len = profile["train_shape"]
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+        fn = make_train_step(model, ids)
+    elif task == "prefill":
+        batch, seq_len = profile["prefill_shapes"][0]
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+        fn = lambda: _forward(model, ids, 0)
+    else:
+        batch = max(profile["decode_batches"])
+        prompts = left_padded_prompts(batch, profile["prompt_len"], model.config.vocab_size, 0, device)
+        fn = lambda: _no_grad(greedy, model, prompts, profile["new_tokens"])
+    fn()
+    fn()
+    result = {"peak_rss_bytes": _peak_rss(), "rss_before_task_bytes": base_rss}
+    if device.startswith("cuda"):
+        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_rows(ctx: Context, family: str) -> list[Row]:
+    profile = ctx.profile
+    tasks = {
+        "train": f"B={profile['train_shape'][0]}x{profile['train_shape'][1]} training step",
+        "prefill": "B={}x{} prefill, all logits".format(*profile["prefill_shapes"][0]),
+        "decode": f"B={max(profile['decode_batches'])} greedy decoding",
+    }
+    if ctx.tiny:
+        tasks = {"train": tasks["train"]}
+    rows = []
+    for task, label in tasks.items():
+        for impl in ("hfgpt", "transformers"):
+            spec = dict(device=ctx.device, family=family, profile=ctx.profile_name, impl=impl, task=task)
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"memory worker {spec} failed:\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            peak = result.get("cuda_peak_bytes", result["peak_rss_bytes"])
+            rows.append(
+                Row(
+                    "memory",
+                    family,
+                    label,
+                    impl,
+                    median_s=float("nan"),
+                    min_s=float("nan"),
+                    max_s=float("nan"),
+                    n=1,
+                    rate=peak / 1e9,
+                    unit="GB peak",
+                    extra=result,
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Driver
+
+
+@dataclass
+class Context:
+    device: str
+    profile_name: str
+    profile: dict[str, Any]
+    repeats: int
+    decode_repeats: int
+    hardware: dict[str, float]
+    tiny: bool
+
+
+def run(
+    profile_name: str = "full",
+    device: str | None = None,
+    families: tuple[str, ...] = FAMILIES,
+    sections: tuple[str, ...] = SECTIONS,
+    repeats: int | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark and return its figures (what `--json` writes)."""
+    hf_logging.set_verbosity_error()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if threads:
+        torch.set_num_threads(threads)
+    profile = PROFILES[profile_name]
+    tiny = profile_name == "tiny"
+    hardware = measure_hardware(device, 3 if tiny else 7, tiny)
+    ctx = Context(
+        device=device,
+        profile_name=profile_name,
+        profile=profile,
+        repeats=repeats or profile["repeats"],
+        decode_repeats=repeats or profile["decode_repeats"],
+        hardware=hardware,
+        tiny=tiny,
+    )
+    rows: list[Row] = []
+    timing_sections = [s for s in sections if s != "memory"]
+    for family in families:
+        if timing_sections:
+            ours = build_ours(family, profile["model_overrides"], device).eval()
+            peer = build_peer(ours, family).eval()
+            hardware[f"{family}_decode_weight_bytes"] = decode_weight_bytes(ours)
+            for section, fn in (
+                ("prefill", prefill_rows),
+                ("decode", decode_rows),
+                ("lowp", lowp_rows),
+                ("train", train_rows),
+                ("compile", compile_rows),
+            ):
+                if section in sections:
+                    start = time.perf_counter()
+                    rows.extend(fn(ctx, family, ours, peer))
+                    print(f"[{family} {section}: {time.perf_counter() - start:.0f}s]", file=sys.stderr)
+            del ours, peer
+        if "memory" in sections:
+            rows.extend(memory_rows(ctx, family))
+    return {
+        "machine": machine_info(device),
+        "profile": profile_name,
+        "hardware": hardware,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A Markdown table: hfgpt beside transformers per measurement, medians with (min-max) spread."""
+    hw = report["hardware"]
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
+        + (f" ({m['gpu']})" if "gpu" in m else "")
+        + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`.",
+        f"Measured fp32 matmul rate: {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; memory read rate: "
+        f"{hw['read_bytes_per_s'] / 1e9:.1f} GB/s.",
+        "",
+        "| family | section | case | hfgpt | transformers | ratio | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = report["rows"]
+    groups: dict[tuple[str, str, str], dict[str, dict]] = {}
+    for row in rows:
+        groups.setdefault((row["family"], row["section"], row["case"]), {})[row["impl"]] = row
+    for (family, section, case), by_impl in groups.items():
+        if section == "lowp":
+            ref = by_impl.get("transformers fp32")
+            for name, row in by_impl.items():
+                if name == "transformers fp32":
+                    continue
+                ex = row["extra"]
+                lines.append(
+                    f"| {family} | decode {name} | {case} | {_cell(row)} | {_cell(ref)} | "
+                    f"{row['rate'] / ref['rate']:.2f}x | {ex['ms_per_step']:.1f} ms/step (fp32 floor "
+                    f"{ex['fp32_floor_ms_per_step']:.1f}); max logit err {ex['max_abs_logit_err']:.2g}, "
+                    f"top-1 {100 * ex['top1_agreement']:.1f}%, greedy agree "
+                    f"{100 * ex['greedy_token_agreement']:.0f}% |"
+                )
+            continue
+        ours, peer = by_impl.get("hfgpt"), by_impl.get("transformers")
+        ratio = f"{ours['rate'] / peer['rate']:.2f}x" if ours and peer else "-"
+        if section == "memory" and ours and peer:
+            ratio = f"{ours['rate'] / peer['rate']:.2f}x mem"
+        notes = _notes(section, ours, peer)
+        lines.append(f"| {family} | {section} | {case} | {_cell(ours)} | {_cell(peer)} | {ratio} | {notes} |")
+    lines.append("")
+    lines.append(
+        "Ratios: hfgpt / transformers throughput (>1 = hfgpt faster); for memory, hfgpt / transformers "
+        "peak (<1 = hfgpt smaller). Cells: median rate (min-max over runs)."
+    )
+    return "\n".join(lines)
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["section"] == "memory":
+        return f"{row['rate']:.2f} GB"
+    low, high = row["rate"] * row["median_s"] / row["max_s"], row["rate"] * row["median_s"] / row["min_s"]
+    text = f"{_num(row['rate'])} {row['unit']} ({_num(low)}-{_num(high)})"
+    if row["mfu"] is not None:
+        text += f", MFU {100 * row['mfu']:.0f}%"
+    return text
+
+
+def _num(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else f"{x:.0f}"
+
+
+def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
+    row = ours or peer
+    ex = row["extra"]
+    if section == "prefill":
+        return f"max logit diff {ex['max_abs_logit_diff']:.1e}"
+    if section == "decode":
+        floor = ex["floor_ms_per_step"]
+        text = f"{ours['extra']['ms_per_step']:.1f} vs {peer['extra']['ms_per_step']:.1f} ms/step"
+        if ours["case"].startswith("B=1,"):
+            text += f" (floor {floor:.1f})"
+        return text + f"; tokens identical: {'yes' if ex['tokens_identical'] else 'NO'}"
+    if section == "train":
+        return f"{ours['median_s']:.2f} vs {peer['median_s']:.2f} s/step"
+    if section == "compile":
+        parts = [
+            f"{name}: compile {r['extra']['first_call_s (compile)']:.0f}s, "
+            f"tokens = eager: {'yes' if r['extra']['tokens_equal_eager_hfgpt'] else 'NO'}"
+            for name, r in (("hfgpt", ours), ("transformers", peer))
+            if r
+        ]
+        return "; ".join(parts)
+    if section == "memory":
+        return "peak RSS of a fresh process" if "cuda_peak_bytes" not in ex else "cuda max allocated"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats, 32 new tokens (a few minutes)")
+    size.add_argument("--tiny", action="store_true", help="tiny models (hidden 32, 2 layers): a smoke run")
+    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma list of gpt2,gpt1")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
+    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default per profile)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one memory measurement
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(memory_worker(json.loads(args.worker))))
+        return 0
+    families = tuple(f for f in args.families.split(",") if f)
+    sections = tuple(s for s in args.sections.split(",") if s)
+    for name, given, allowed in (("family", families, FAMILIES), ("section", sections, SECTIONS)):
+        bad = [x for x in given if x not in allowed]
+        if bad:
+            print(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}", file=sys.stderr)
+            return 2
+    profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+    report = run(profile, args.device, families, sections, args.repeats, args.threads)
+    print(format_table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Smoke run of benchmarks/bench_model.py at tiny size: every section produces figures, the two
+implementations agree (logits, greedy tokens), and the outputs (table, JSON) are well formed.
+
+Speed itself is never asserted here: figures come from the benchmark, not from timed unit tests.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_model.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_model", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class is being built.
+    sys.modules.setdefault("bench_model", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench()
+
+
+@pytest.fixture(scope="module")
+def tiny_report(bench, tmp_path_factory):
+    # GPT-2 through every section but compile (tens of seconds of inductor); GPT-1 through the two
+    # where its peer differs most (no logits_to_keep, no KV cache).
+    out = tmp_path_factory.mktemp("bench")
+    gpt2 = ["--families", "gpt2", "--sections", "prefill,decode,lowp,train,memory"]
+    gpt1 = ["--families", "gpt1", "--sections", "prefill,decode"]
+    assert bench.main(["--tiny", *gpt2, "--json", str(out / "gpt2.json")]) == 0
+    assert bench.main(["--tiny", *gpt1, "--json", str(out / "gpt1.json")]) == 0
+    report = json.loads((out / "gpt2.json").read_text())
+    report["rows"] += json.loads((out / "gpt1.json").read_text())["rows"]
+    return report
+
+
+def test_every_section_has_both_implementations(tiny_report):
+    seen = {(r["family"], r["section"], r["impl"]) for r in tiny_report["rows"]}
+    for family, sections in (
+        ("gpt2", ("prefill", "decode", "train", "memory")),
+        ("gpt1", ("prefill", "decode")),
+    ):
+        for section in sections:
+            assert (family, section, "hfgpt") in seen
+            assert (family, section, "transformers") in seen
+    for variant in ("hfgpt fp32", "hfgpt bf16", "hfgpt int8", "transformers fp32"):
+        assert ("gpt2", "lowp", variant) in seen
+
+
+def test_figures_are_finite_and_positive(tiny_report):
+    hw = tiny_report["hardware"]
+    assert hw["matmul_flops_per_s"] > 0 and hw["read_bytes_per_s"] > 0
+    for row in tiny_report["rows"]:
+        assert row["rate"] > 0 and math.isfinite(row["rate"]), row
+        if row["section"] != "memory":
+            assert row["min_s"] <= row["median_s"] <= row["max_s"], row
+
+
+def test_same_weights_give_same_logits_and_tokens(tiny_report):
+    for row in tiny_report["rows"]:
+        if row["section"] == "prefill":
+            assert row["extra"]["max_abs_logit_diff"] < 1e-5, row
+        if row["section"] == "decode":
+            assert row["extra"]["tokens_identical"], row
+
+
+def test_low_precision_accuracy_is_measured(tiny_report):
+    lowp = {
+        r["impl"]: r["extra"] for r in tiny_report["rows"] if r["section"] == "lowp" and r["family"] == "gpt2"
+    }
+    assert lowp["hfgpt fp32"]["max_abs_logit_err"] == 0.0
+    for name in ("hfgpt bf16", "hfgpt int8"):
+        # Lower precision changes the logits a little, never wildly, on a tiny random model.
+        assert 0.0 < lowp[name]["max_abs_logit_err"] < 0.5
+        assert 0.0 <= lowp[name]["greedy_token_agreement"] <= 1.0
+
+
+def test_memory_comes_from_separate_processes(tiny_report):
+    rows = [r for r in tiny_report["rows"] if r["section"] == "memory"]
+    for row in rows:
+        # A fresh interpreter with torch and transformers imported: well above 100 MB, below the machine.
+        assert 1e8 < row["extra"]["peak_rss_bytes"] < 64e9
+        assert row["extra"]["peak_rss_bytes"] >= row["extra"]["rss_before_task_bytes"]
+
+
+def test_table_lists_every_measurement(bench, tiny_report):
+    table = bench.format_table(tiny_report)
+    assert (
+        table.count("| gpt2 |")
+        == sum(1 for key in {(r["section"], r["case"]) for r in tiny_report["rows"] if r["family"] == "gpt2"})
+        + 2
+    )  # the lowp group is one line per low-precision variant (fp32, bf16, int8) instead of one
+    assert "tokens identical: yes" in table and "NO" not in table
+
+
+def test_flop_count_matches_a_hand_count(bench):
+    # GPT-2 124M, one token, no context: 12 layers x 2 x (3E^2 + E^2 + 8E^2) + 2 x E x V (head)
+    # + attention over the token itself (QK^T and AV: 2 x 2 x E per layer).
+    config = bench.our_config("gpt2", {})
+    e, v = 768, 50257
+    expected = 12 * 2 * 12 * e * e + 2 * e * v + 12 * 4 * e
+    assert bench.forward_flops(config, 1, 1, 1) == pytest.approx(expected)
+
+
+def test_int8_copy_leaves_the_model_untouched(bench):
+    model = bench.build_ours("gpt2", bench.PROFILES["tiny"]["model_overrides"], "cpu").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantized = bench.to_int8_decoding(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.inference_mode():
+        torch.testing.assert_close(quantized(ids).logits, model(ids).logits, atol=0.1, rtol=0.1)
+
+
+def test_unknown_section_is_a_clean_error(bench, capsys):
+    assert bench.main(["--tiny", "--sections", "prefil"]) == 2
+    assert "error: unknown section 'prefil'" in capsys.readouterr().err
