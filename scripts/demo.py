@@ -26,6 +26,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedTokenizerFast,
+    ProgressCallback,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -70,6 +71,14 @@ class DemoSettings:
     n_layer: int = 2
     n_head: int = 4
     seed: int = 0
+
+
+class LossInProgressBar(ProgressCallback):
+    """Trainer's progress bar, showing the latest loss beside it instead of printing every log line."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+            self.training_bar.set_postfix(loss=f"{logs['loss']:.4g}")
 
 
 def make_sequences(n: int, length: int, rng: random.Random, exclude: set[str] | None = None) -> list[str]:
@@ -197,6 +206,8 @@ def run_demo(
         seed=s.seed,
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(LossInProgressBar)
     trainer.train()
     train_seconds = time.perf_counter() - start
 
@@ -232,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="hfgpt-demo-output", help="where the model and pictures go")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
     parser.add_argument("--length", type=int, default=defaults.length, help="digits per sequence")
+    parser.add_argument("--n-train", type=int, default=defaults.n_train, help="training sequences")
     parser.add_argument("--n-test", type=int, default=defaults.n_test, help="held-out sequences to sort")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
@@ -243,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = DemoSettings(steps=args.steps, length=args.length, n_test=args.n_test, seed=args.seed)
+    settings = DemoSettings(
+        steps=args.steps, length=args.length, n_train=args.n_train, n_test=args.n_test, seed=args.seed
+    )
     try:
         result = run_demo(args.output_dir, settings)
     except DemoError as err:
