@@ -578,6 +578,8 @@ class TensorBundleReader:
         if name not in self.entries:
             raise KeyError(name)
         entry = self.entries[name]
+        if entry.size == 0:  # nothing to map (and an empty shard file cannot be mapped at all)
+            return np.empty(entry.shape, entry.numpy_dtype)
         view = memoryview(self._map(entry.shard_id))[entry.offset : entry.offset + entry.size]
         if verify and masked_crc32c(view) != entry.crc32c:
             raise CorruptCheckpointError(

@@ -242,3 +242,10 @@ def test_entry_proto_round_trip():
     assert BundleEntry.parse("b", raw) == BundleEntry(
         "b", "float32", (96,), 0, 0, 384, struct.unpack("<I", bytes.fromhex("cd2a6160"))[0]
     )
+
+
+def test_bundle_of_empty_tensors_only(tmp_path):
+    TensorBundleWriter(tmp_path / "m").write({"empty": np.zeros((0, 4), np.float32)})
+    assert data_file_name(tmp_path / "m", 0, 1).stat().st_size == 0
+    with TensorBundleReader(tmp_path / "m") as reader:
+        assert reader.get("empty").shape == (0, 4)
