@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except CONVERSION_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", 1)
+        return exc.exit_code
+    except OSError as exc:  # unreadable source, unwritable destination, full disk: the OS says which file
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

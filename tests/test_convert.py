@@ -496,3 +496,11 @@ def test_push_to_hub_gets_the_finished_folder(tmp_path, monkeypatch):
     ((folder, repo_id, files),) = calls
     assert folder == tmp_path / "out" and repo_id == "someone/gpt2-tiny"
     assert {"model.safetensors", "config.json", "tokenizer_config.json", "README.md"} <= set(files)
+
+
+def test_unwritable_destination_is_a_clean_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main([str(GPT2), str(blocker / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(blocker) in err and "Traceback" not in err
