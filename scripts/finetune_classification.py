@@ -52,6 +52,7 @@ from hfgpt.scripts.train_lm import (
     _check_file,
     _parse_overrides,
     load_tokenizer,
+    push_checkpoint,
     save_complete_checkpoint,
 )
 
@@ -325,10 +326,7 @@ def finetune(
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
     if push and trainer.is_world_process_zero():
-        from hfgpt.scripts.push_to_hub import push_to_hub
-
-        repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
-        push_to_hub(training_args.output_dir, repo_id, token=training_args.hub_token)
+        metrics["commit_url"] = push_checkpoint(training_args)
     return metrics
 
 

@@ -280,6 +280,26 @@ def save_complete_checkpoint(
     trainer.accelerator.wait_for_everyone()
 
 
+def push_checkpoint(training_args: TrainingArguments) -> str:
+    """Upload the finished checkpoint in `output_dir` with hfgpt-push (`--push_to_hub`, `--hub_model_id`,
+    `--hub_token`, `--hub_private_repo` as in Trainer). Imported lazily: only pushes need it."""
+    from hfgpt.scripts.push_to_hub import PushError, push_to_hub
+
+    repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
+    try:
+        info = push_to_hub(
+            training_args.output_dir,
+            repo_id,
+            private=bool(training_args.hub_private_repo),
+            token=training_args.hub_token,
+        )
+    except PushError as err:
+        raise TrainingInputError(
+            f"the checkpoint is saved in {training_args.output_dir}, but pushing it to {repo_id} failed: {err}"
+        ) from err
+    return info.commit_url
+
+
 def train_lm(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -342,10 +362,7 @@ def train_lm(
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
     if push and trainer.is_world_process_zero():
-        from hfgpt.scripts.push_to_hub import push_to_hub
-
-        repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
-        push_to_hub(training_args.output_dir, repo_id, token=training_args.hub_token)
+        metrics["commit_url"] = push_checkpoint(training_args)
     return metrics
 
 

@@ -231,3 +231,42 @@ def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, c
     assert not (tmp_path / "out" / "model.safetensors").exists()
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypatch):
+    """--push_to_hub goes through hfgpt-push to a Hub (here the loopback test Hub) after the final save."""
+    import huggingface_hub
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import DEFAULT_TOKENS, HubServer
+
+    token = next(iter(DEFAULT_TOKENS))
+    with HubServer(tmp_path / "hub") as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(
+            huggingface_hub.constants, "HF_HUB_DISABLE_XET", True
+        )  # the test Hub speaks LFS only
+        argv = _argv(corpus, tmp_path / "out", "--max_steps", "1", "--eval_strategy", "no")
+        argv += [
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            f"{DEFAULT_TOKENS[token]}/tiny",
+            "--hub_token",
+            token,
+        ]
+        metrics = train_lm(*_parse(argv))
+        assert "tiny" in metrics["commit_url"]
+        files = set(
+            huggingface_hub.HfApi(endpoint=hub.url, token=token).list_repo_files(
+                f"{DEFAULT_TOKENS[token]}/tiny"
+            )
+        )
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "generation_config.json",
+    } <= files
+    assert not any(name.startswith("checkpoint-") for name in files)
