@@ -626,7 +626,7 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def parse_size(size: int | str) -> int:
-    """ "5GB" / "500MB" / 1000 -> bytes (decimal units, as transformers' max_shard_size)."""
+    """Bytes in a size such as "5GB", "500MB", "2GiB" or 1000 (GB/MB/KB decimal, as transformers' max_shard_size)."""
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.I)
@@ -636,7 +636,8 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * units[(match.group(2) or "B").upper()])
 
 
-def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | bytes:
+def _cast(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """The contiguous little-endian bytes of ``array`` in ``dtype`` (bfloat16 as its int16 bit pattern)."""
     if dtype == "bfloat16":
         import torch  # numpy has no bfloat16; torch rounds to nearest even
 
@@ -765,28 +766,11 @@ def _check_finetune_ids(tokenizer: Any, added: bool) -> None:
         raise ConversionError(f"fine-tuning tokens got ids {ids}, expected {first}..{first + 2}")
 
 
-def _write_model_card(release: Release, out_dir: Path, config: Any, fmt: str, dtype: str) -> None:
-    name = _model_card_name(release, config)
-    try:
-        from hfgpt.model_cards import render_model_card
-    except ImportError:
-        render_model_card = None
-    if render_model_card is not None:
-        render_model_card(name, config=config, source=str(release.source_dir)).save(out_dir / "README.md")
-        return
-    # HOOK: without hfgpt.model_cards, a minimal card.
-    source = "openai/gpt-2" if release.kind == "gpt2" else "openai/finetune-transformer-lm"
-    (out_dir / "README.md").write_text(
-        f"---\nlicense: mit\nlibrary_name: transformers\n---\n\n# {name}\n\n"
-        f"OpenAI's original {'GPT-2' if release.kind == 'gpt2' else 'GPT-1'} weights "
-        f"(github.com/{source}), converted with `hfgpt-convert` to {dtype} safetensors ({fmt} format).\n"
-    )
+def _write_model_card(release: Release, out_dir: Path, config: Any) -> None:
+    from hfgpt.model_cards import render_model_card
 
-
-def _model_card_name(release: Release, config: Any) -> str:
-    if release.kind == "gpt1":
-        return "openai-gpt"
-    return {12: "gpt2", 24: "gpt2-medium", 36: "gpt2-large", 48: "gpt2-xl"}.get(config.n_layer, "gpt2")
+    preset, _ = release.config_fields()  # the card of the release this is (tiny test releases: "gpt2")
+    render_model_card(preset, config=config, source=str(release.source_dir)).save(out_dir / "README.md")
 
 
 def _check_output(output_dir: Path) -> None:
@@ -844,7 +828,7 @@ def convert_release(
             if tokenizer:
                 _save_tokenizer(release, tmp, fmt, add_finetune_tokens)
             if model_card:
-                _write_model_card(release, tmp, config, fmt, dtype)
+                _write_model_card(release, tmp, config)
             _check_output(output_dir)
             if output_dir.exists():
                 output_dir.rmdir()  # empty, checked just above
