@@ -233,8 +233,9 @@ def build_model(
         overrides = {**_parse_overrides(args.config_overrides), **settings, "vocab_size": len(tokenizer)}
         model = model_class(GPTConfig.from_preset(args.preset, **overrides))
     if model.get_input_embeddings().weight.shape[0] != len(tokenizer):
-        # The recipe's three added tokens get fresh embeddings (train.py: N(0, 0.02) rows).
-        model.resize_token_embeddings(len(tokenizer))
+        # The recipe's three added tokens get fresh N(0, initializer_range = 0.02) rows, as train.py's
+        # `np.random.randn(n_special, n_embd)*0.02` (not transformers' default mean-of-old-rows init).
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     return model
 
 

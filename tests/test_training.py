@@ -270,3 +270,19 @@ def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypat
         "generation_config.json",
     } <= files
     assert not any(name.startswith("checkpoint-") for name in files)
+
+
+def test_dataset_name_loads_through_datasets(tmp_path, corpus):
+    """--dataset_name goes to `datasets.load_dataset`; a local dataset folder stands in for a Hub id (the
+    same call, no network), and its own validation split is used instead of a held-out share."""
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    lines = Path(corpus["txt"]).read_text().splitlines()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines[:100]))
+    (folder / "validation.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines[100:]))
+    argv = _argv(corpus, tmp_path / "out", "--max_steps", "1", "--eval_strategy", "no")
+    argv[argv.index("--train_file") : argv.index("--train_file") + 2] = ["--dataset_name", str(folder)]
+    model_args, data_args, training_args = _parse(argv)
+    raw = load_raw_splits(data_args, seed=0)
+    assert (raw["train"].num_rows, raw["validation"].num_rows) == (100, 20)
+    assert train_lm(model_args, data_args, training_args)["train_steps"] == 1
