@@ -17,6 +17,7 @@ added tokens and pools at the last token, as transformers' GPT2ForSequenceClassi
 """
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,12 @@ def resolve_labels(
         num_labels, table = len(names), {name: i for i, name in enumerate(names)}
     else:
         train_labels = raw["train"][column]
+        for name, split in raw.items():
+            for row, value in enumerate(split[column]):
+                if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+                    raise FinetuneInputError(
+                        f"{name} data row {row}: label {value!r} is not a number or a name"
+                    )
         is_float = any(isinstance(v, float) and not float(v).is_integer() for v in train_labels)
         num_labels = args.num_labels or (1 if is_float else int(max(train_labels)) + 1)
         table = None

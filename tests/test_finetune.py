@@ -322,6 +322,7 @@ def test_plain_recipe_regression_reports_pearson(tmp_path, tokenizer_dir):
         ("empty", r"train_file '.*empty\.csv' is empty"),
         ("column", r"train data has no column 'hypothesis' \(columns: premise, label\)"),
         ("label", r"train data row \d+: label 7 is outside \[0, 2\) \(num_labels\)"),
+        ("no-label", r"train data row 1: label None is not a number or a name"),
         ("too-long", r"row \d+: the transformed input has \d+ tokens, more than the model's context of 32"),
     ],
 )
@@ -335,6 +336,8 @@ def test_bad_input_is_refused_before_training(tmp_path, tokenizer_dir, case, mes
         data.write_text("")
     elif case == "column":
         data.write_text("premise,label\nabc,1\n")
+    elif case == "no-label":
+        data.write_text("premise,hypothesis,label\nab,ab,1\nab,cb,\n")
     elif case == "label":
         _write_pairs(data, 8, label=lambda a, b: 7 if a == b else 0)
         extra = ["--num_labels", "2"]
