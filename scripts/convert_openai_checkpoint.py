@@ -78,7 +78,12 @@ def format_inspection(source_dir: str | Path, n_head: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hfgpt-convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hfgpt-convert",
+        description=__doc__.split("\n\n")[0],
+        epilog="exit codes: 0 done, 1 file system error, 2 bad arguments, 3 not a valid release (missing or "
+        "extra file, shape or dtype), 4 corrupt data (checksum, truncated file), 5 output folder not empty",
+    )
     parser.add_argument(
         "source_dir", type=Path, help="the release folder (GPT-2 models/<size> or GPT-1 model/)"
     )
