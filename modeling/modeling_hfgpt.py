@@ -9,6 +9,7 @@ This file imports only torch, transformers and its sibling `configuration_hfgpt.
 `save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
 """
 
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -218,6 +219,19 @@ OPENAI_GPT_RENAMES = {"tokens_embed.": "wte.", "positions_embed.": "wpe."}
 OPENAI_GPT_KEY_MAPPING = {re.escape(old): new for old, new in OPENAI_GPT_RENAMES.items()}
 
 
+def add_remote_code(config: GPTConfig, save_directory: str | os.PathLike) -> None:
+    """Make a checkpoint folder loadable with `trust_remote_code=True` where hfgpt is not installed:
+    `auto_map` for every head in its config.json (transformers records only the saved class) and the two
+    code files those entries name (copied by transformers only for classes with an Auto class of their
+    own, which GPTDoubleHeadsModel lacks)."""
+    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MAP}
+    folder = Path(save_directory)
+    config.to_json_file(folder / "config.json")
+    here = Path(__file__).parent
+    for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
+        shutil.copyfile(here / name, folder / name)
+
+
 class GPTPreTrainedModel(PreTrainedModel):
     config_class = GPTConfig
     config: GPTConfig
@@ -257,16 +271,9 @@ class GPTPreTrainedModel(PreTrainedModel):
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
-        # transformers records only the saved class in `auto_map`; record every head so that any
-        # AutoModelFor... loads the checkpoint with trust_remote_code where hfgpt is not installed.
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         super().save_pretrained(save_directory, *args, **kwargs)
-        # The code files those entries name (custom_object_save copies them only for classes with an
-        # Auto class of their own, which GPTDoubleHeadsModel lacks).
-        here = Path(__file__).parent
-        for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
-            if not (Path(save_directory) / name).exists():
-                shutil.copyfile(here / name, Path(save_directory) / name)
+        add_remote_code(self.config, save_directory)
 
     def _pool_positions(
         self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int, require_pad: bool = True
