@@ -26,6 +26,7 @@ from typing import Any
 import datasets
 import numpy as np
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     HfArgumentParser,
     PreTrainedTokenizerBase,
@@ -238,7 +239,13 @@ def build_model(
         if args.preset not in PRESETS:
             raise FinetuneInputError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
         overrides = {**_parse_overrides(args.config_overrides), **settings, "vocab_size": len(tokenizer)}
-        model = model_class(GPTConfig.from_preset(args.preset, **overrides))
+        try:
+            config = GPTConfig.from_preset(args.preset, **overrides)
+        except (ValueError, TypeError, StrictDataclassError) as err:
+            raise FinetuneInputError(
+                f"invalid model config: {str(err).strip().splitlines()[-1].strip()}"
+            ) from err
+        model = model_class(config)
     if model.get_input_embeddings().weight.shape[0] != len(tokenizer):
         # The recipe's three added tokens get fresh N(0, initializer_range = 0.02) rows, as train.py's
         # `np.random.randn(n_special, n_embd)*0.02` (not transformers' default mean-of-old-rows init).

@@ -9,7 +9,7 @@ Every `TrainingArguments` flag works as usual (`--learning_rate`, `--max_steps`,
 length, and the validation loss is reported with its perplexity. The output folder receives a complete
 checkpoint: weights, config, generation config, tokenizer, model card (README.md) and the metrics.
 
-Data-parallel: `accelerate launch --num_processes N scripts/train_lm.py ...` (see the README).
+Data-parallel: `accelerate launch --multi_gpu --num_processes N -m hfgpt.scripts.train_lm ...` (see the README).
 """
 
 import ast
@@ -24,6 +24,7 @@ from typing import Any
 
 import datasets
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -148,22 +149,28 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) 
             model.resize_token_embeddings(len(tokenizer))
         return model
     overrides = _parse_overrides(model_args.config_overrides)
-    if model_args.preset:
-        if model_args.preset not in PRESETS:
-            raise TrainingInputError(
-                f"unknown preset {model_args.preset!r}; choose one of {', '.join(PRESETS)}"
-            )
-        config = GPTConfig.from_preset(model_args.preset, **overrides)
-    else:
-        if not Path(model_args.config_file).is_file():
-            raise TrainingInputError(f"config file {model_args.config_file!r} does not exist")
-        config = GPTConfig.from_json_file(model_args.config_file)
-        for key, value in overrides.items():
-            setattr(config, key, value)
-    config.vocab_size = len(tokenizer)
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    # The vocabulary and special ids come from the tokenizer the model will be trained with.
+    from_tokenizer = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if model_args.preset and model_args.preset not in PRESETS:
+        raise TrainingInputError(f"unknown preset {model_args.preset!r}; choose one of {', '.join(PRESETS)}")
+    if model_args.config_file and not Path(model_args.config_file).is_file():
+        raise TrainingInputError(f"config file {model_args.config_file!r} does not exist")
+    try:
+        if model_args.preset:
+            config = GPTConfig.from_preset(model_args.preset, **overrides, **from_tokenizer)
+        else:
+            base = json.loads(Path(model_args.config_file).read_text())
+            config = GPTConfig.from_dict({**base, **overrides, **from_tokenizer})
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        # GPTConfig validates every field; the last line of its message names the one at fault.
+        raise TrainingInputError(
+            f"invalid model config: {str(err).strip().splitlines()[-1].strip()}"
+        ) from err
     return GPTForCausalLM(config)
 
 

@@ -206,6 +206,7 @@ def test_accelerate_launch_two_processes(tmp_path, corpus):
         ("too-little", r"the train data has 12 tokens, fewer than one block of 32"),
         ("small-validation", r"the validation data has 6 tokens, fewer than one block of 32"),
         ("preset", r"unknown preset 'gpt5'"),
+        ("config", r"invalid model config: .*n_embd \(32\) must be divisible by GPTConfig.n_head \(3\)"),
     ],
 )
 def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, capsys):
@@ -224,6 +225,8 @@ def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, c
         # 5 % held out for validation: 3 rows -> 2 train rows; 20 rows -> 1 validation row (6 tokens).
         (tmp_path / "short.txt").write_text("a cat\n" * (3 if case == "too-little" else 20))
         argv[data] = str(tmp_path / "short.txt")
+    elif case == "config":
+        argv[argv.index(TINY)] = TINY.replace("n_head=2", "n_head=3")
     else:
         argv[argv.index("gpt2")] = "gpt5"
     with pytest.raises(TrainingInputError, match=message):
