@@ -242,7 +242,13 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
     """A metric by name: the in-package one for accuracy / f1 / pearsonr (offline), else `evaluate.load`."""
     if name in LOCAL_METRICS:
         return LOCAL_METRICS[name]()
-    return evaluate.load(name)
+    try:
+        return evaluate.load(name)
+    except Exception as err:  # offline, or no such metric: evaluate raises several unrelated types
+        raise FinetuneInputError(
+            f"metric {name!r} is not one of the offline metrics ({', '.join(LOCAL_METRICS)}) and "
+            f"evaluate.load could not fetch it: {err}"
+        ) from err
 
 
 def pick_classification_logits(logits: Any, labels: Any = None) -> torch.Tensor:
@@ -259,8 +265,11 @@ def pick_classification_logits(logits: Any, labels: Any = None) -> torch.Tensor:
     return candidates[0]
 
 
-def compute_metrics_fn(metric_names: Sequence[str], regression: bool = False) -> Callable[[Any], dict]:
-    """`compute_metrics` for Trainer from metric names (argmax of the logits, or the score for regression)."""
+def compute_metrics_fn(
+    metric_names: Sequence[str], regression: bool = False, num_labels: int = 2
+) -> Callable[[Any], dict]:
+    """`compute_metrics` for Trainer from metric names (argmax of the logits, or the score for regression).
+    F1 is the positive class's for two labels and the macro average for more."""
     metrics = [load_metric(name) for name in metric_names]
 
     def compute(eval_pred: Any) -> dict[str, float]:
@@ -268,7 +277,8 @@ def compute_metrics_fn(metric_names: Sequence[str], regression: bool = False) ->
         predictions = np.squeeze(logits, -1) if regression else np.argmax(logits, axis=-1)
         out: dict[str, float] = {}
         for metric in metrics:
-            out.update(metric.compute(predictions=predictions, references=labels))
+            extra = {"average": "binary" if num_labels == 2 else "macro"} if isinstance(metric, F1) else {}
+            out.update(metric.compute(predictions=predictions, references=labels, **extra))
         return out
 
     return compute

@@ -315,7 +315,7 @@ def finetune(
         eval_dataset=encoded.get("validation"),
         data_collator=TaskCollator(pad_token_id=model.config.pad_token_id or 0),
         processing_class=tokenizer,
-        compute_metrics=compute_metrics_fn(metric_names, regression=num_labels == 1),
+        compute_metrics=compute_metrics_fn(metric_names, regression=num_labels == 1, num_labels=num_labels),
         preprocess_logits_for_metrics=pick_classification_logits,
         callbacks=callbacks,
     )

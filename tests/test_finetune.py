@@ -204,11 +204,20 @@ def test_local_metrics_match_hand_values(monkeypatch):
     assert metric.compute() == {"accuracy": pytest.approx(2 / 3)}
 
 
+def test_unknown_metric_offline_is_a_clean_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FinetuneInputError, match="metric 'no_such_metric' is not one of the offline metrics"):
+        load_metric("no_such_metric")
+
+
 def test_compute_metrics_fn_takes_argmax_of_logits():
     class EvalPred:
         predictions = np.array([[0.1, 0.9], [2.0, -1.0], [0.0, 3.0]])
         label_ids = np.array([1, 1, 1])
 
+    # Three classes: F1 is the macro average (class 0: 0 / 1 -> 0; class 1: tp 2, fn 1 -> 4 / 5).
+    three = compute_metrics_fn(["f1"], num_labels=3)(EvalPred())
+    assert three == {"f1": pytest.approx((0.0 + 0.8) / 2)}
     assert compute_metrics_fn(["accuracy", "f1"])(EvalPred()) == {
         "accuracy": pytest.approx(2 / 3),
         "f1": pytest.approx(0.8),
