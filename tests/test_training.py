@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -167,6 +168,13 @@ def test_resumed_training_gives_the_same_weights_as_straight_training(tmp_path, 
     assert not torch.equal(interrupted["transformer.wte.weight"], straight["transformer.wte.weight"])
 
 
+def _free_port() -> int:
+    # torchrun's default port (29500) may be taken by a concurrent run (pytest-xdist, another suite).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_accelerate_launch_two_processes(tmp_path, corpus):
     out = tmp_path / "ddp"
     argv = _argv(corpus, out, "--max_steps", "3", "--save_strategy", "no", "--eval_strategy", "no")
@@ -175,6 +183,7 @@ def test_accelerate_launch_two_processes(tmp_path, corpus):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
         str(REPO / "scripts" / "train_lm.py"), *argv,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
