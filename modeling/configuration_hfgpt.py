@@ -79,7 +79,8 @@ class GPTConfig(PretrainedConfig):
     """
 
     model_type = "hfgpt"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # Scalar loss terms reported beside `loss`: not predictions for Trainer to gather at evaluation.
+    keys_to_ignore_at_inference = ["past_key_values", "classification_loss", "lm_loss", "mc_loss"]
     attribute_map = {
         "hidden_size": "n_embd",
         "max_position_embeddings": "n_positions",

@@ -822,6 +822,11 @@ def convert_release(
                 max_shard_size=max_shard,
             )
             config.save_pretrained(tmp)
+            if fmt == "hfgpt":
+                # auto_map for every head and the code files, for trust_remote_code users.
+                from .modeling_hfgpt import add_remote_code
+
+                add_remote_code(config, tmp)
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(config).save_pretrained(tmp)

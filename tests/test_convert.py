@@ -101,6 +101,15 @@ def test_model_card_and_generation_config(gpt2_out):
     assert generation["eos_token_id"] == 50256
 
 
+def test_output_carries_remote_code_for_every_head(gpt2_out):
+    from hfgpt.modeling.modeling_hfgpt import AUTO_MAP
+
+    config = json.loads((gpt2_out / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP
+    for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
+        assert (gpt2_out / name).read_text() == (ROOT / "modeling" / name).read_text()
+
+
 def test_cli_and_script_and_entry_point(gpt2_out, tmp_path):
     assert main([str(GPT2), str(tmp_path / "a"), "--dtype", "bfloat16"]) == 0
     with safe_open(tmp_path / "a" / "model.safetensors", "pt") as f:
