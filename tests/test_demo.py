@@ -6,7 +6,6 @@ import struct
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfgpt.modeling import GPTForCausalLM
@@ -19,13 +18,7 @@ from hfgpt.scripts.demo import (
     run_demo,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _png_size(path: Path) -> tuple[int, int]:

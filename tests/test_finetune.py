@@ -30,14 +30,7 @@ from hfgpt.modeling.finetune import (
 from hfgpt.scripts.demo import build_char_tokenizer
 from hfgpt.scripts.finetune_classification import FinetuneArguments, finetune, main, make_parser
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one torch thread avoids OpenMP barrier waits on a busy 2-core machine (several times faster).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TOKENS = TaskTokens(start=100, delimiter=101, classify=102)

@@ -25,13 +25,7 @@ TINY = "n_embd=32,n_layer=2,n_head=2,n_positions=32"
 WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "and then"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: one torch thread avoids OpenMP barrier waits on a busy 2-core machine (several times faster).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
