@@ -28,11 +28,11 @@ import evaluate
 import numpy as np
 import torch
 
+from hfgpt.tokenization import FINETUNE_TOKENS
+
 Task = Literal["classification", "entailment", "similarity", "multiple_choice"]
 TASKS: tuple[str, ...] = ("classification", "entailment", "similarity", "multiple_choice")
 
-# The added tokens, in the order train.py appends them to the encoder (ids 40478-40480 on GPT-1's vocabulary).
-FINETUNE_TOKENS: tuple[str, str, str] = ("_start_", "_delimiter_", "_classify_")
 
 # How many text columns each task reads (multiple choice: a context, then two or more choices).
 TASK_TEXT_COLUMNS: dict[str, tuple[int, int | None]] = {

@@ -34,6 +34,8 @@ from typing import Any, Literal
 import numpy as np
 from huggingface_hub.errors import StrictDataclassError
 
+from hfgpt.tokenization import FINETUNE_TOKENS
+
 from .tf_bundle import CheckpointError, CorruptCheckpointError, TensorBundleReader, TensorBundleWriter
 
 __all__ = [
@@ -148,9 +150,6 @@ TRANSFORMERS_OPENAI_GPT_NAMES = {
     "transformer.wte.weight": "transformer.tokens_embed.weight",
     "transformer.wpe.weight": "transformer.positions_embed.weight",
 }
-
-# finetune-transformer-lm train.py appends these after the 40,478 BPE tokens, in this order.
-FINETUNE_TOKENS = ("_start_", "_delimiter_", "_classify_")
 
 GPT2_FILES = ("checkpoint", "model.ckpt.index", "hparams.json", "encoder.json", "vocab.bpe")
 GPT1_FILES = (
