@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,9 +45,9 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers import logging as hf_logging
-from transformers.pytorch_utils import Conv1D
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.quantization import quantize_for_decoding
 
 FAMILIES = ("gpt2", "gpt1")
 SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
@@ -146,32 +145,6 @@ def build_peer(ours: GPTForCausalLM, family: str) -> PreTrainedModel:
         raise RuntimeError(f"weights did not transfer: missing {missing}, unexpected {unexpected}")
     peer.tie_weights()
     return peer.to(ours.device)
-
-
-def to_int8_decoding(model: GPTForCausalLM) -> nn.Module:
-    """A copy of `model` for CPU decoding with int8 weights: torch.ao dynamic quantisation.
-
-    `quantize_dynamic` handles `nn.Linear` only, so each Conv1D ([in, out] weights, as OpenAI's release)
-    becomes the equivalent `nn.Linear` first; the LM head (tied to `wte`) gets its own int8 copy while
-    the embedding lookup stays float32. Weights get one int8 scale per output channel; activations are
-    quantised per row batch at run time.
-    """
-    with warnings.catch_warnings():
-        # torch.ao's eager quantisation is deprecated in favour of torchao (not a dependency here); it
-        # still ships and works in the torch versions this project pins.
-        warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        model = copy.deepcopy(model).eval()
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, Conv1D):
-                    linear = nn.Linear(child.weight.shape[0], child.weight.shape[1])
-                    linear.weight.data = child.weight.data.t().contiguous()
-                    linear.bias.data = child.bias.data.clone()
-                    setattr(module, name, linear)
-        # One scale per output channel: a per-tensor scale costs ~4x more logit error on GPT-2 shapes.
-        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -425,7 +398,7 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
     variants: dict[str, nn.Module] = {"hfgpt fp32": ours, "transformers fp32": peer}
     variants["hfgpt bf16"] = copy.deepcopy(ours).to(torch.bfloat16)
     if ctx.device == "cpu":
-        variants["hfgpt int8"] = to_int8_decoding(ours)
+        variants["hfgpt int8"] = quantize_for_decoding(ours)
     ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)), device=ctx.device)
     with torch.inference_mode():
         reference = ours(ids).logits.float()

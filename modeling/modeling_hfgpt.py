@@ -368,7 +368,10 @@ class GPTModel(GPTPreTrainedModel):
                 f"Sequence length {total} (input {seq_len} + cached {past_seen}) exceeds the model's "
                 f"context of {self.config.n_positions} positions (config.n_positions)."
             )
-        if input_ids is not None and input_ids.numel() > 0:
+        # Reading the ids back costs a device-to-host sync: on accelerators it is done for the prompt
+        # only, not for each decoding step (whose tokens the model itself produced).
+        check_ids = past_seen == 0 or input_ids is None or input_ids.device.type == "cpu"
+        if input_ids is not None and input_ids.numel() > 0 and check_ids:
             low, high = torch.aminmax(input_ids)
             vocab = self.wte.num_embeddings
             if int(low) < 0 or int(high) >= vocab:
