@@ -50,7 +50,6 @@ __all__ = [
     "MappedTensor",
     "OutputExistsError",
     "Release",
-    "TRANSFORMERS_OPENAI_GPT_NAMES",
     "convert_release",
     "detect_release",
     "inspect_release",
@@ -144,12 +143,6 @@ GPT1_LAYER_MAP: list[tuple[str, str, Op]] = [
     ("model/h{}/ln_2/g", "transformer.h.{}.ln_2.weight", IDENTITY),
     ("model/h{}/ln_2/b", "transformer.h.{}.ln_2.bias", IDENTITY),
 ]
-
-# transformers' OpenAIGPTLMHeadModel names the two embeddings differently; everything else matches.
-TRANSFORMERS_OPENAI_GPT_NAMES = {
-    "transformer.wte.weight": "transformer.tokens_embed.weight",
-    "transformer.wpe.weight": "transformer.positions_embed.weight",
-}
 
 GPT2_FILES = ("checkpoint", "model.ckpt.index", "hparams.json", "encoder.json", "vocab.bpe")
 GPT1_FILES = (
@@ -568,8 +561,7 @@ def plan_conversion(
     hparams_file = "hparams.json" if release.kind == "gpt2" else "params_shapes.json"
     plan, filled = [], {}
     for source, target, op in release.mapping():
-        if fmt == "transformers" and release.kind == "gpt1":
-            target = TRANSFORMERS_OPENAI_GPT_NAMES.get(target, target)
+        target = _target_name(target, fmt, release.kind)
         if target not in expected:
             raise ConversionError(
                 f"tensor {source!r} maps to {target!r}, which the model (from {hparams_file}) does not have"
@@ -604,9 +596,19 @@ def plan_conversion(
     return plan
 
 
+def _target_name(name: str, fmt: str, kind: str) -> str:
+    """The parameter name in the output format: transformers' OpenAIGPT* name GPT-1's two embeddings
+    differently (the same renames hfgpt applies when loading their checkpoints)."""
+    if fmt == "transformers" and kind == "gpt1":
+        from .modeling_hfgpt import OPENAI_GPT_RENAMES
+
+        for theirs, ours in OPENAI_GPT_RENAMES.items():
+            name = name.replace(ours, theirs)
+    return name
+
+
 def _embedding_name(fmt: str, kind: str) -> str:
-    name = "transformer.wte.weight"
-    return TRANSFORMERS_OPENAI_GPT_NAMES[name] if fmt == "transformers" and kind == "gpt1" else name
+    return _target_name("transformer.wte.weight", fmt, kind)
 
 
 def inspect_release(source_dir: str | Path, *, n_head: int | None = None) -> list[MappedTensor]:
