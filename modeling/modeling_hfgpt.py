@@ -315,7 +315,9 @@ class GPTPreTrainedModel(PreTrainedModel):
     ) -> torch.Tensor:
         """GPT-1's auxiliary LM objective L1 on the task inputs (Radford et al. 2018, §3.2, train.py `model`):
         next-token cross-entropy with the tied embedding matrix, averaged over each sequence's real tokens
-        (mask M[:, 1:]), then over sequences."""
+        (mask M[:, 1:]), then over sequences. One deliberate difference: train.py's single matrix `we` also
+        holds the position rows, so its softmax normalises over them too; here it runs over the vocabulary
+        only, as every LM head in transformers does (targets are never positions)."""
         seq_len = input_ids.shape[-1]
         hidden = hidden_states.reshape(-1, seq_len, hidden_states.shape[-1])[:, :-1]
         targets = input_ids.reshape(-1, seq_len)[:, 1:]
