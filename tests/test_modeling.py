@@ -547,3 +547,26 @@ def test_project_to_vocab_equals_the_linear_head(rows, bias):
     (grad,) = torch.autograd.grad(project_to_vocab(hidden, head).sum(), hidden)
     (expected_grad,) = torch.autograd.grad(head(hidden).sum(), hidden)
     torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "labels"),
+    [
+        (1, torch.tensor([0.5, -1.0, 2.0])),  # regression
+        (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])),  # multi-label
+    ],
+)
+def test_sequence_classification_regression_and_multi_label_losses(num_labels, labels):
+    peer, ours = make_pair(GPTForSequenceClassification, "pre", num_labels=num_labels, pad_token_id=0)
+    ids = random_ids(3, 8)
+    with torch.no_grad():
+        expected, got = peer(ids, labels=labels), ours(ids, labels=labels)
+    assert ours.config.problem_type == peer.config.problem_type
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_label_outside_num_labels_is_refused():
+    _, ours = make_pair(GPTForSequenceClassification, "pre", num_labels=3, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"label 5 is outside \[0, 3\)"):
+        ours(random_ids(2, 6), labels=torch.tensor([1, 5]))
