@@ -209,8 +209,8 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
     For a tall float32 weight (GPT-2's 50257 x 768 head) and 1-16 rows, MKL runs `F.linear(h, W)` as a
     matrix-vector kernel that reads the weight at ~16 GB/s on this project's CPU; the same product as
     `W @ h^T` with at least two columns reads it 2-4x faster (4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at
-    eight; benchmarks/RESULTS.md). The values agree to float precision. Everywhere else (training,
-    prefill, other devices and dtypes, quantised heads) this is `head(hidden_states)`.
+    eight; benchmarks/RESULTS.md). Values and gradients agree to float precision. More rows (prefill,
+    training batches), other devices and dtypes, and quantised heads take plain `head(hidden_states)`.
     """
     rows = hidden_states.numel() // hidden_states.shape[-1]
     if (
