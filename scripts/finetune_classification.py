@@ -57,6 +57,7 @@ from hfgpt.scripts.train_lm import (
     push_checkpoint,
     save_complete_checkpoint,
 )
+from hfgpt.tokenization import resize_embeddings_to_tokenizer
 
 
 @dataclass
@@ -246,11 +247,8 @@ def build_model(
                 f"invalid model config: {str(err).strip().splitlines()[-1].strip()}"
             ) from err
         model = model_class(config)
-    if model.get_input_embeddings().weight.shape[0] != len(tokenizer):
-        # The recipe's three added tokens get fresh N(0, initializer_range = 0.02) rows, as train.py's
-        # `np.random.randn(n_special, n_embd)*0.02` (not transformers' default mean-of-old-rows init).
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    return model
+    # The recipe's added tokens get fresh N(0, 0.02) rows, as train.py draws them.
+    return resize_embeddings_to_tokenizer(model, tokenizer)
 
 
 def finetune(

@@ -36,9 +36,13 @@ def register(config_class: type) -> None:
 def resize_embeddings_to_tokenizer(model: Any, tokenizer: Any) -> Any:
     """Give `model` one token embedding per entry of `tokenizer` (e.g. after adding GPT-1's fine-tuning
     tokens), through transformers' `resize_token_embeddings`; also records `_classify_`'s id in the config
-    when the config has a `classify_token_id` field. Returns the model."""
+    when the config has a `classify_token_id` field. Returns the model.
+
+    New rows are drawn from N(0, initializer_range = 0.02), as finetune-transformer-lm's train.py draws
+    the fine-tuning tokens' rows (`np.random.randn(n_special, n_embd) * 0.02`), not transformers' default
+    mean of the old rows."""
     if model.get_input_embeddings().weight.shape[0] != len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     classify_id = tokenizer.get_vocab().get("_classify_")
     if classify_id is not None and hasattr(model.config, "classify_token_id"):
         model.config.classify_token_id = classify_id
