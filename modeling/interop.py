@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from .configuration_hfgpt import GPTConfig, translate_transformers_config
+from .configuration_hfgpt import GPTConfig
 from .modeling_hfgpt import (
     OPENAI_GPT_RENAMES,
     GPTDoubleHeadsModel,
@@ -104,7 +104,7 @@ def from_transformers(model: PreTrainedModel) -> GPTPreTrainedModel:
     ours = next((cls for cls, theirs in _HEADS.items() if name in theirs), None)
     if ours is None:
         raise ExportError(f"no hfgpt equivalent of {name}")
-    config = GPTConfig.from_dict(translate_transformers_config(model.config.to_dict()))
+    config = GPTConfig.from_dict(model.config.to_dict())  # from_dict translates gpt2 / openai-gpt
     with torch.device("meta"):
         target = ours(config)
     state = {_rename(k, OPENAI_GPT_RENAMES): v.detach().clone() for k, v in model.state_dict().items()}

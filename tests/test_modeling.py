@@ -29,7 +29,7 @@ from hfgpt.modeling import (
     GPTForTokenClassification,
     GPTModel,
 )
-from hfgpt.modeling.interop import to_transformers
+from hfgpt.modeling.interop import from_transformers, to_transformers
 
 VOCAB = 96
 TINY = dict(
@@ -570,3 +570,13 @@ def test_label_outside_num_labels_is_refused():
     _, ours = make_pair(GPTForSequenceClassification, "pre", num_labels=3, pad_token_id=0)
     with pytest.raises(ValueError, match=r"label 5 is outside \[0, 3\)"):
         ours(random_ids(2, 6), labels=torch.tensor([1, 5]))
+
+
+@pytest.mark.parametrize("head", [GPTForCausalLM, GPTDoubleHeadsModel])
+@pytest.mark.parametrize("norm", NORMS)
+def test_in_memory_conversion_from_transformers(head, norm):
+    peer, ours = make_pair(head, norm)
+    converted = from_transformers(peer)
+    assert type(converted) is head and converted.config.layer_norm_position == norm
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
