@@ -59,6 +59,7 @@ def to_transformers_config(config: GPTConfig) -> transformers.PretrainedConfig:
     common = {
         "num_labels": config.num_labels,
         "id2label": config.id2label,
+        "label2id": config.label2id,
         "problem_type": config.problem_type,
     }
     if config.layer_norm_position == "pre":

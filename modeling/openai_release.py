@@ -517,26 +517,22 @@ def build_config(
 
 
 def _build_config(release: Release, fmt: str, add_finetune_tokens: bool, dtype: str) -> Any:
+    from hfgpt.modeling import GPTConfig
+
     preset, fields = release.config_fields()
     if add_finetune_tokens:
         fields["vocab_size"] += len(FINETUNE_TOKENS)
-    if fmt == "hfgpt":
-        from hfgpt.modeling import GPTConfig
-
-        if add_finetune_tokens:
+        if fmt == "hfgpt":
             fields["classify_token_id"] = fields["vocab_size"] - 1
-        config = GPTConfig.from_preset(preset, **fields)
+    config = GPTConfig.from_preset(preset, **fields)
+    if fmt == "hfgpt":
         config.architectures = ["GPTForCausalLM"]
-    elif release.kind == "gpt2":
-        from transformers import GPT2Config
-
-        config = GPT2Config(**fields)
-        config.architectures = ["GPT2LMHeadModel"]
     else:
-        from transformers import OpenAIGPTConfig
+        # The same model as transformers' own GPT2Config / OpenAIGPTConfig (hfgpt.modeling.interop).
+        from hfgpt.modeling.interop import to_transformers_config
 
-        config = OpenAIGPTConfig(**fields)  # afn "gelu" is the tanh GELU there (modeling_openai.ACT_FNS)
-        config.architectures = ["OpenAIGPTLMHeadModel"]
+        config = to_transformers_config(config)
+        config.architectures = ["GPT2LMHeadModel" if release.kind == "gpt2" else "OpenAIGPTLMHeadModel"]
     config.dtype = dtype
     return config
 
