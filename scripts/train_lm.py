@@ -255,12 +255,9 @@ def pack_blocks(
 
 
 def write_model_card(model: Any, directory: Path, **facts: Any) -> None:
-    """README.md through hfgpt.model_cards (lazy: it needs jinja2)."""
-    try:
-        from hfgpt.model_cards import render_model_card
-    except ImportError:  # pragma: no cover - the cards module ships with hfgpt
-        (directory / "README.md").write_text(f"# {directory.name}\n\nA GPT model trained with hfgpt.\n")
-        return
+    """README.md through hfgpt.model_cards."""
+    from hfgpt.model_cards import render_model_card
+
     render_model_card("trained", config=model.config, **facts).save(directory / "README.md")
 
 
