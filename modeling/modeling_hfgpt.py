@@ -245,17 +245,18 @@ OPENAI_GPT_RENAMES = {"tokens_embed.": "wte.", "positions_embed.": "wpe."}
 OPENAI_GPT_KEY_MAPPING = {re.escape(old): new for old, new in OPENAI_GPT_RENAMES.items()}
 
 
-def add_remote_code(config: GPTConfig, save_directory: str | os.PathLike) -> None:
-    """Make a checkpoint folder loadable with `trust_remote_code=True` where hfgpt is not installed:
-    `auto_map` for every head in its config.json (transformers records only the saved class) and the two
-    code files those entries name (copied by transformers only for classes with an Auto class of their
-    own, which GPTDoubleHeadsModel lacks)."""
+def record_every_head(config: GPTConfig) -> None:
+    """Put `auto_map` for every head in `config` before it is saved: transformers records only the saved
+    class, and trust_remote_code users may load any head."""
     config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MAP}
-    folder = Path(save_directory)
-    config.to_json_file(folder / "config.json")
+
+
+def copy_remote_code(save_directory: str | os.PathLike) -> None:
+    """Copy the two code files `AUTO_MAP` names next to a checkpoint (transformers copies them only for
+    classes with an Auto class of their own, which GPTDoubleHeadsModel lacks)."""
     here = Path(__file__).parent
     for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
-        shutil.copyfile(here / name, folder / name)
+        shutil.copyfile(here / name, Path(save_directory) / name)
 
 
 class GPTPreTrainedModel(PreTrainedModel):
@@ -297,9 +298,10 @@ class GPTPreTrainedModel(PreTrainedModel):
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        # Loadable with trust_remote_code where hfgpt is not installed, through any head's Auto class.
+        record_every_head(self.config)
         super().save_pretrained(save_directory, *args, **kwargs)
-        add_remote_code(self.config, save_directory)
+        copy_remote_code(save_directory)
 
     def _pool_positions(
         self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int, require_pad: bool = True

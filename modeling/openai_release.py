@@ -818,12 +818,13 @@ def convert_release(
                 dtype=dtype,
                 max_shard_size=max_shard,
             )
-            config.save_pretrained(tmp)
             if fmt == "hfgpt":
                 # auto_map for every head and the code files, for trust_remote_code users.
-                from .modeling_hfgpt import add_remote_code
+                from .modeling_hfgpt import copy_remote_code, record_every_head
 
-                add_remote_code(config, tmp)
+                record_every_head(config)
+                copy_remote_code(tmp)
+            config.save_pretrained(tmp)
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
