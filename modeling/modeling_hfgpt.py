@@ -23,6 +23,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -77,6 +78,93 @@ def eager_attention_forward(
     return output, weights
 
 
+def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
+    """Bernoulli(1 - p) keep mask for dropout, drawn as 32-bit integers from the default generator.
+
+    On the CPU, `bernoulli_` costs ~4.4 ns an element (12% of a GPT-2 training step went to dropout's
+    sampling and scaling); two 32-bit draws cut from each 64-bit `randint` word cost ~1.5 ns. An element
+    is dropped when its draw falls in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33.
+    Seeded by `torch.manual_seed` like any other draw (the stream differs from `F.dropout`'s).
+    """
+    n = 1
+    for size in shape:
+        n *= size
+    words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=device)
+    draws = words.view(torch.int32)[:n].view(shape)
+    return draws >= -(2**31) + round(p * 2**32)
+
+
+class _MaskedScale(torch.autograd.Function):
+    """`x * keep / (1 - p)`, saving the keep mask as one byte an element (F.dropout saves 4)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x.mul(keep).mul_(scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        return grad.mul(keep).mul_(ctx.scale), None, None
+
+
+def fast_dropout_applies(x: torch.Tensor, p: float, training: bool) -> bool:
+    # CUDA's fused dropout is already fast; compiled graphs fuse F.dropout themselves.
+    return training and 0.0 < p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`F.dropout(x, p, training)`: same distribution, faster and leaner on the CPU (`keep_mask`)."""
+    if not fast_dropout_applies(x, p, training):
+        return F.dropout(x, p, training)
+    return _MaskedScale.apply(x, keep_mask(x.shape, p, x.device), 1.0 / (1.0 - p))
+
+
+class GPTDropout(nn.Dropout):
+    """`nn.Dropout` (so code that finds dropout modules by type still does) running `dropout` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training)
+
+
+def cpu_dropout_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Training attention with dropout on the CPU, in place of sdpa.
+
+    With dropout, torch's CPU sdpa leaves its fused kernel for the same sequence of ops as here, but
+    samples the mask with `bernoulli_` and saves it as float32; this runs `keep_mask` and saves a byte
+    mask. Masks are those transformers builds for sdpa: None (causal when T > 1) or boolean (True =
+    attend), or an additive float mask. As in sdpa, a query row with nothing to attend to (a left-padding
+    position) gets zero weights (`torch._safe_softmax`, the softmax sdpa's own math path uses).
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)  # (B, H, T, S)
+    seq_len, total = scores.shape[-2:]
+    if attention_mask is None:
+        if seq_len > 1:  # causal: every query keeps at least its own position
+            causal = torch.ones(seq_len, total, dtype=torch.bool, device=scores.device).tril(total - seq_len)
+            scores = scores.masked_fill_(~causal, float("-inf"))
+        weights = F.softmax(scores, dim=-1)
+    else:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill_(~attention_mask, float("-inf"))
+        else:
+            scores = scores.add_(attention_mask)
+        weights = torch._safe_softmax(scores, -1)
+    weights = _MaskedScale.apply(
+        weights, keep_mask(weights.shape, dropout, weights.device), 1.0 / (1.0 - dropout)
+    )
+    return torch.matmul(weights, value).transpose(1, 2), None  # (B, T, H, D)
+
+
 class GPTAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -92,7 +180,7 @@ class GPTAttention(nn.Module):
         self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
         self.attn_dropout = config.attn_pdrop
-        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.resid_dropout = GPTDropout(config.resid_pdrop)
 
     def forward(
         self,
@@ -110,6 +198,10 @@ class GPTAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        if self.config._attn_implementation == "sdpa" and fast_dropout_applies(
+            query, self.attn_dropout, self.training
+        ):
+            attention_interface = cpu_dropout_attention
         input_dtype = query.dtype
         if self.config.reorder_and_upcast_attn and input_dtype not in (torch.float32, torch.float64):
             # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
@@ -136,7 +228,7 @@ class GPTMLP(nn.Module):
         self.c_fc = Conv1D(config.inner_size, config.n_embd)
         self.c_proj = Conv1D(config.n_embd, config.inner_size)
         self.act = ACTIVATIONS[config.activation_function]
-        self.dropout = nn.Dropout(config.resid_pdrop)
+        self.dropout = GPTDropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
@@ -203,30 +295,121 @@ class GPTSequenceSummary(nn.Module):
         return self.activation(self.summary(self.first_dropout(output)))
 
 
-def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """`head(hidden_states)`, computed faster for the few rows of a decoding step on the CPU.
+class _RowAlignedLinear(torch.autograd.Function):
+    """`hidden @ weight.T` written into rows padded to a multiple of 64 floats; returns the unpadded view.
 
-    For a tall float32 weight (GPT-2's 50257 x 768 head) and 1-16 rows, MKL runs `F.linear(h, W)` as a
-    matrix-vector kernel that reads the weight at ~16 GB/s on this project's CPU; the same product as
-    `W @ h^T` with at least two columns reads it 2-4x faster (4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at
-    eight; benchmarks/RESULTS.md). Values and gradients agree to float precision. More rows (prefill,
-    training batches), other devices and dtypes, and quantised heads take plain `head(hidden_states)`.
+    MKL's float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a
+    256-byte boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
+    view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
     """
-    rows = hidden_states.numel() // hidden_states.shape[-1]
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        vocab = weight.shape[0]
+        buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
+        return torch.mm(hidden, weight.T, out=buffer[:, :vocab])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        hidden, weight = ctx.saved_tensors
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight
+
+
+def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """`head(hidden_states)`, computed faster for a plain float32 `nn.Linear` on the CPU.
+
+    - 1-16 rows (a decoding step): MKL runs `F.linear(h, W)` for GPT-2's tall 50257 x 768 head as a
+      matrix-vector kernel reading the weight at ~16 GB/s; the same product as `W @ h^T` with at least
+      two columns reads it 2-4x faster (4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
+      benchmarks/RESULTS.md).
+    - More rows (prefill, training): `_RowAlignedLinear`.
+    Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
+    Other devices and dtypes, heads with a bias, quantised heads and compiled graphs take the plain call.
+    """
     if (
-        rows > 16
-        or type(head) is not nn.Linear
+        type(head) is not nn.Linear
+        or head.bias is not None
         or head.weight.device.type != "cpu"
         or head.weight.dtype != torch.float32
+        or hidden_states.dtype != torch.float32
         or torch.compiler.is_compiling()
     ):
         return head(hidden_states)
+    rows = hidden_states.numel() // hidden_states.shape[-1]
     flat = hidden_states.reshape(rows, -1)
+    if rows > 16:
+        logits = _RowAlignedLinear.apply(flat, head.weight)
+        return logits.view(*hidden_states.shape[:-1], -1)
     columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
     logits = torch.mm(head.weight, columns.T)[:, :rows].T  # (rows, V)
-    if head.bias is not None:
-        logits = logits + head.bias
     return logits.contiguous().view(*hidden_states.shape[:-1], -1)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of float32 logits (N, V) / `divisor`, for `causal_lm_loss`.
+
+    Saves the logits and one log-sum-exp per row, and forms the gradient softmax - onehot in a single
+    buffer in backward. `F.cross_entropy` saves a log-softmax copy of the logits and builds two full
+    gradients (NLL's, then log-softmax's): GPT-2's 1024 x 50257 batch of a training step holds ~400 MB
+    less at its peak here, and the loss costs ~4x less time on the CPU.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, divisor: torch.Tensor
+    ) -> torch.Tensor:
+        lse = logits.new_empty(logits.shape[0])
+        for start in range(0, logits.shape[0], 128):  # bounds logsumexp's temporaries to 128 rows
+            lse[start : start + 128] = torch.logsumexp(logits[start : start + 128], dim=-1)
+        picked = logits.gather(1, targets[:, None]).squeeze(1)
+        ctx.save_for_backward(logits, targets, valid, lse, divisor)
+        return ((lse - picked) * valid).sum() / divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, targets, valid, lse, divisor = ctx.saved_tensors
+        grad = torch.sub(logits, lse[:, None]).exp_()  # softmax
+        grad.index_put_(
+            (torch.arange(len(targets), device=grad.device), targets), grad.new_tensor(-1.0), accumulate=True
+        )
+        return grad.mul_((valid * (grad_loss / divisor))[:, None]), None, None, None
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss` (same arguments, same value): next-token cross-entropy, labels
+    shifted inside, `ignore_index` skipped, mean over the counted tokens or sum / `num_items_in_batch`
+    (Trainer's gradient accumulation). Float32 CPU logits take `_CrossEntropy`; others transformers'."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or torch.compiler.is_compiling():
+        return ForCausalLMLoss(
+            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+        )
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    logits = logits.view(-1, vocab_size)
+    valid = targets != ignore_index
+    targets = targets.masked_fill(~valid, 0)
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        bad = int(targets.min()) if int(targets.min()) < 0 else int(targets.max())
+        raise ValueError(
+            f"labels contain {bad}, neither a token id in [0, {vocab_size}) nor ignore_index {ignore_index}"
+        )
+    if num_items_in_batch is None:
+        divisor = valid.sum().to(logits.dtype)
+    else:
+        divisor = torch.as_tensor(num_items_in_batch, device=logits.device).to(logits.dtype)
+    return _CrossEntropy.apply(logits, targets, valid.to(logits.dtype), divisor)
 
 
 # Every head, for `config.auto_map` in saved checkpoints (trust_remote_code users load any of them).
@@ -366,7 +549,7 @@ class GPTModel(GPTPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.drop = nn.Dropout(config.embd_pdrop)
+        self.drop = GPTDropout(config.embd_pdrop)
         self.h = nn.ModuleList([GPTBlock(config, layer_idx=i) for i in range(config.n_layer)])
         # GPT-2 adds a final layer norm after the last pre-norm block; GPT-1 has none.
         self.ln_f = (
@@ -525,7 +708,9 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         )
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+            # transformers' causal-LM loss, through `causal_lm_loss` unless a user set `loss_function`.
+            loss_function = getattr(self, "_loss_function", causal_lm_loss)
+            loss = loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

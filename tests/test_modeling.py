@@ -530,25 +530,6 @@ def test_double_heads_default_pooling():
         torch.testing.assert_close(ours(ids).mc_logits, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 16, 17])
-@pytest.mark.parametrize("bias", [False, True])
-def test_project_to_vocab_equals_the_linear_head(rows, bias):
-    from hfgpt.modeling.modeling_hfgpt import project_to_vocab
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(32, 500, bias=bias)
-    hidden = torch.randn(rows, 1, 32)  # (batch, position, E), as in a decoding step
-    expected = head(hidden)
-    got = project_to_vocab(hidden, head)
-    assert got.shape == expected.shape and got.is_contiguous()
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    # Gradients flow the same way too.
-    hidden.requires_grad_(True)
-    (grad,) = torch.autograd.grad(project_to_vocab(hidden, head).sum(), hidden)
-    (expected_grad,) = torch.autograd.grad(head(hidden).sum(), hidden)
-    torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-6)
-
-
 @pytest.mark.parametrize(
     ("num_labels", "labels"),
     [

@@ -1,0 +1,186 @@
+"""The CPU speed-ups in modeling_hfgpt.py compute what the plain PyTorch / transformers code computes:
+the LM head (`project_to_vocab`), the causal-LM loss (`causal_lm_loss`), dropout (`dropout`,
+`GPTDropout`) and training attention with dropout (`cpu_dropout_attention`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.modeling_hfgpt import (
+    causal_lm_loss,
+    cpu_dropout_attention,
+    dropout,
+    keep_mask,
+    project_to_vocab,
+)
+
+TINY = dict(
+    vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_to_vocab_equals_the_linear_head(rows, bias):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 500, bias=bias)
+    hidden = torch.randn(rows, 1, 32, requires_grad=True)  # (batch, position, E)
+    expected = head(hidden)
+    got = project_to_vocab(hidden, head)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    # What the loss and users do with logits: flatten the positions.
+    torch.testing.assert_close(got.view(-1, 500), expected.view(-1, 500), atol=1e-6, rtol=1e-6)
+    # Gradients flow the same way, to the hidden states and to the (tied) weight.
+    upstream = torch.randn_like(expected)
+    grads = torch.autograd.grad((got * upstream).sum(), (hidden, head.weight))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, head.weight))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_project_to_vocab_pads_rows_of_many_positions():
+    head = torch.nn.Linear(32, 500, bias=False)
+    with torch.no_grad():
+        logits = project_to_vocab(torch.randn(2, 20, 32), head)
+    # Rows of the padded buffer start every 512 floats (a multiple of 64); decoding steps stay contiguous.
+    assert logits.stride() == (20 * 512, 512, 1)
+    with torch.no_grad():
+        assert project_to_vocab(torch.randn(8, 1, 32), head).is_contiguous()
+
+
+def loss_pair(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple:
+    """(our loss, our gradient, transformers' loss, its gradient) for the same logits."""
+    ours = logits.detach().clone().requires_grad_(True)
+    theirs = logits.detach().clone().requires_grad_(True)
+    a = causal_lm_loss(ours, labels, vocab_size=logits.shape[-1], **kwargs)
+    b = ForCausalLMLoss(theirs, labels, vocab_size=logits.shape[-1], **kwargs)
+    (a * 3.0).backward()
+    (b * 3.0).backward()
+    return a, ours.grad, b, theirs.grad
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_items_in_batch": torch.tensor(7)}, {"num_items_in_batch": 5}, {"ignore_index": 3}],
+)
+def test_causal_lm_loss_equals_transformers(kwargs):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 9, 50) * 4
+    labels = torch.randint(0, 50, (3, 9))
+    labels[0, :4] = kwargs.get("ignore_index", -100)
+    labels[2, 5] = 3
+    got, got_grad, expected, expected_grad = loss_pair(logits, labels, **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_grad, expected_grad, atol=1e-7, rtol=1e-5)
+
+
+def test_causal_lm_loss_takes_shift_labels_and_strided_logits():
+    torch.manual_seed(0)
+    buffer = torch.randn(2 * 6, 64)
+    logits = buffer[:, :50].view(2, 6, 50)  # rows padded as project_to_vocab pads them
+    shift = torch.randint(0, 50, (2, 6))
+    shift[1, -1] = -100
+    got, got_grad, expected, expected_grad = loss_pair(logits, None, shift_labels=shift)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_grad, expected_grad, atol=1e-7, rtol=1e-5)
+
+
+def test_causal_lm_loss_with_nothing_to_count_is_nan_like_transformers():
+    labels = torch.full((1, 4), -100)
+    got, _, expected, _ = loss_pair(torch.randn(1, 4, 10), labels)
+    assert got.isnan() and expected.isnan()
+
+
+def test_causal_lm_loss_names_a_bad_label():
+    labels = torch.tensor([[1, 2, 57]])
+    with pytest.raises(ValueError, match=r"labels contain 57, neither a token id in \[0, 50\)"):
+        causal_lm_loss(torch.randn(1, 3, 50), labels, vocab_size=50)
+
+
+def test_user_loss_function_is_honoured():
+    model = GPTForCausalLM(GPTConfig(**TINY))
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum() * 0 + 42.0
+    ids = torch.randint(0, 96, (1, 5))
+    assert model(ids, labels=ids).loss.item() == 42.0
+
+
+def test_keep_mask_keeps_one_minus_p_and_follows_the_seed():
+    torch.manual_seed(3)
+    keep = keep_mask((1000, 1000), 0.1, torch.device("cpu"))
+    # Binomial(1e6, 0.9): standard deviation 300 elements, so 6 sigma is 1800.
+    assert abs(int(keep.sum()) - 900_000) < 1800
+    torch.manual_seed(3)
+    assert torch.equal(keep, keep_mask((1000, 1000), 0.1, torch.device("cpu")))
+    # An odd count draws half a word more and uses its first half.
+    assert keep_mask((3, 5), 0.5, torch.device("cpu")).shape == (3, 5)
+    assert not keep_mask((1000,), 0.999999, torch.device("cpu")).any()
+
+
+def test_dropout_scales_kept_values_and_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    y = dropout(x, 0.25, training=True)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, kept / 0.75)
+    assert dropout(x, 0.25, training=False) is x
+
+
+def attention_inputs(batch: int = 2, heads: int = 3, length: int = 7, dim: int = 8):
+    torch.manual_seed(0)
+    return [torch.randn(batch, heads, length, dim, requires_grad=True) for _ in range(3)]
+
+
+def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
+    module = torch.nn.Module()
+    q, k, v = attention_inputs()
+    torch.manual_seed(5)
+    got, weights = cpu_dropout_attention(module, q, k, v, None, scaling=0.3, dropout=0.2)
+    assert weights is None
+    torch.manual_seed(5)
+    keep = keep_mask((2, 3, 7, 7), 0.2, torch.device("cpu"))
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
+    expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_training_forward_without_drops_equals_sdpa(layer_norm_position):
+    """With a dropout probability so small that nothing is dropped, the training path (GPTDropout,
+    cpu_dropout_attention with transformers' padding mask, the aligned head and causal_lm_loss) gives
+    the eval-mode sdpa model's logits, loss and gradients."""
+    tiny = 1e-12  # round(p * 2^32) = 0: no element can be dropped, the scale is 1 / (1 - 1e-12)
+    config = GPTConfig(
+        **TINY, layer_norm_position=layer_norm_position, resid_pdrop=tiny, embd_pdrop=tiny, attn_pdrop=tiny
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config)
+    ids = torch.randint(0, 96, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # left padding
+    labels = ids.masked_fill(mask == 0, -100)
+    outputs = {}
+    for training in (True, False):
+        model.train(training)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outputs[training] = (
+            out.logits.detach(),
+            out.loss.detach(),
+            model.transformer.h[0].attn.c_attn.weight.grad,
+        )
+    (logits_t, loss_t, grad_t), (logits_e, loss_e, grad_e) = outputs[True], outputs[False]
+    real = mask.bool()
+    torch.testing.assert_close(logits_t[real], logits_e[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss_t, loss_e, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_t, grad_e, atol=1e-5, rtol=1e-5)
