@@ -295,20 +295,25 @@ class GPTSequenceSummary(nn.Module):
         return self.activation(self.summary(self.first_dropout(output)))
 
 
-class _RowAlignedLinear(torch.autograd.Function):
+def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`hidden @ weight.T` written into rows padded to a multiple of 64 floats; returns the unpadded view.
 
     MKL's float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a
     256-byte boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
     view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
     """
+    vocab = weight.shape[0]
+    buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
+    return torch.mm(hidden, weight.T, out=buffer[:, :vocab])
+
+
+class _RowAlignedLinear(torch.autograd.Function):
+    """`row_aligned_mm` with the gradients of `F.linear(hidden, weight)`."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(hidden, weight)
-        vocab = weight.shape[0]
-        buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
-        return torch.mm(hidden, weight.T, out=buffer[:, :vocab])
+        return row_aligned_mm(hidden, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -318,98 +323,141 @@ class _RowAlignedLinear(torch.autograd.Function):
         return grad_hidden, grad_weight
 
 
+def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
+    """Whether `project_to_vocab` and `lm_logits_and_loss` compute the head themselves: a plain float32
+    `nn.Linear` without bias on the CPU, outside compiled graphs. Anything else takes `head(...)`."""
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and head.weight.device.type == "cpu"
+        and head.weight.dtype == torch.float32
+        and hidden_states.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+    )
+
+
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """`head(hidden_states)`, computed faster for a plain float32 `nn.Linear` on the CPU.
+    """`head(hidden_states)`, computed faster where `fast_head_applies`.
 
     - 1-16 rows (a decoding step): MKL runs `F.linear(h, W)` for GPT-2's tall 50257 x 768 head as a
       matrix-vector kernel reading the weight at ~16 GB/s; the same product as `W @ h^T` with at least
       two columns reads it 2-4x faster (4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
       benchmarks/RESULTS.md).
-    - More rows (prefill, training): `_RowAlignedLinear`.
+    - More rows (prefill): `row_aligned_mm`.
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
-    Other devices and dtypes, heads with a bias, quantised heads and compiled graphs take the plain call.
     """
-    if (
-        type(head) is not nn.Linear
-        or head.bias is not None
-        or head.weight.device.type != "cpu"
-        or head.weight.dtype != torch.float32
-        or hidden_states.dtype != torch.float32
-        or torch.compiler.is_compiling()
-    ):
+    if not fast_head_applies(hidden_states, head):
         return head(hidden_states)
     rows = hidden_states.numel() // hidden_states.shape[-1]
     flat = hidden_states.reshape(rows, -1)
     if rows > 16:
-        logits = _RowAlignedLinear.apply(flat, head.weight)
-        return logits.view(*hidden_states.shape[:-1], -1)
+        return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
     columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
     logits = torch.mm(head.weight, columns.T)[:, :rows].T  # (rows, V)
     return logits.contiguous().view(*hidden_states.shape[:-1], -1)
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """Summed token cross-entropy of float32 logits (N, V) / `divisor`, for `causal_lm_loss`.
+HEAD_SLICE_ELEMENTS = 4 << 20  # 16 MB of float32 gradient at a time in `_LinearCrossEntropy`
 
-    Saves the logits and one log-sum-exp per row, and forms the gradient softmax - onehot in a single
-    buffer in backward. `F.cross_entropy` saves a log-softmax copy of the logits and builds two full
-    gradients (NLL's, then log-softmax's): GPT-2's 1024 x 50257 batch of a training step holds ~400 MB
-    less at its peak here, and the loss costs ~4x less time on the CPU.
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """(logits, summed token cross-entropy / divisor) of `hidden @ weight.T`, for `lm_logits_and_loss`.
+
+    Backward forms softmax - onehot a slice of the vocabulary at a time (~16 MB) and feeds each slice
+    straight into the two head products, so the full N x V gradient never exists. Saved: the logits
+    (which the caller holds anyway) and one log-sum-exp per row. `F.cross_entropy` on materialised
+    logits saves a log-softmax copy and builds two full N x V gradients (NLL's, then log-softmax's): for
+    GPT-2's 1024 x 50257 rows of a training step that is ~600 MB more at the peak here, and the loss
+    itself costs several times as long on the CPU. A gradient reaching the returned logits from other
+    uses is added in.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, divisor: torch.Tensor
-    ) -> torch.Tensor:
+        ctx: Any,
+        hidden: torch.Tensor,  # (N, E)
+        weight: torch.Tensor,  # (V, E)
+        targets: torch.Tensor,  # (N,) token ids, 0 where not counted
+        counted: torch.Tensor,  # (N,) 1.0 where counted, else 0.0
+        divisor: torch.Tensor,  # () the number the summed loss is divided by
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
+        logits = row_aligned_mm(hidden, weight)  # (N, V)
         lse = logits.new_empty(logits.shape[0])
-        for start in range(0, logits.shape[0], 128):  # bounds logsumexp's temporaries to 128 rows
+        for start in range(0, len(lse), 128):  # bounds logsumexp's temporaries to 128 rows
             lse[start : start + 128] = torch.logsumexp(logits[start : start + 128], dim=-1)
         picked = logits.gather(1, targets[:, None]).squeeze(1)
-        ctx.save_for_backward(logits, targets, valid, lse, divisor)
-        return ((lse - picked) * valid).sum() / divisor
+        ctx.save_for_backward(hidden, weight, logits, targets, counted, lse, divisor)
+        return logits, ((lse - picked) * counted).sum() / divisor
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        logits, targets, valid, lse, divisor = ctx.saved_tensors
-        grad = torch.sub(logits, lse[:, None]).exp_()  # softmax
-        grad.index_put_(
-            (torch.arange(len(targets), device=grad.device), targets), grad.new_tensor(-1.0), accumulate=True
-        )
-        return grad.mul_((valid * (grad_loss / divisor))[:, None]), None, None, None
+    def backward(
+        ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        hidden, weight, logits, targets, counted, lse, divisor = ctx.saved_tensors
+        rows, vocab = logits.shape
+        scale = (counted * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
+        row_ids = torch.arange(rows, device=logits.device)
+        for start in range(0, vocab, width):
+            stop = min(start + width, vocab)
+            grad = torch.sub(logits[:, start:stop], lse[:, None]).exp_().mul_(scale)  # scaled softmax
+            hit = (targets >= start) & (targets < stop)
+            grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
+            if grad_logits is not None:
+                grad += grad_logits[:, start:stop]
+            if grad_hidden is not None:
+                grad_hidden.addmm_(grad, weight[start:stop])
+            if grad_weight is not None:
+                torch.mm(grad.T, hidden, out=grad_weight[start:stop])
+        return grad_hidden, grad_weight, None, None, None
 
 
-def causal_lm_loss(
-    logits: torch.Tensor,
+def lm_logits_and_loss(
+    hidden_states: torch.Tensor,
+    head: nn.Module,
     labels: torch.Tensor,
     vocab_size: int,
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
     **kwargs: Any,
-) -> torch.Tensor:
-    """transformers' `ForCausalLMLoss` (same arguments, same value): next-token cross-entropy, labels
-    shifted inside, `ignore_index` skipped, mean over the counted tokens or sum / `num_items_in_batch`
-    (Trainer's gradient accumulation). Float32 CPU logits take `_CrossEntropy`; others transformers'."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or torch.compiler.is_compiling():
-        return ForCausalLMLoss(
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits = head(hidden_states)` and transformers' `ForCausalLMLoss(logits, labels, ...)`: the same
+    arguments and values (next-token cross-entropy, labels shifted inside, `ignore_index` skipped, mean
+    over the counted tokens or sum / `num_items_in_batch` for Trainer's gradient accumulation).
+    Where `fast_head_applies`, both come from `_LinearCrossEntropy`; elsewhere from the plain calls."""
+    if not fast_head_applies(hidden_states, head) or hidden_states.numel() // hidden_states.shape[-1] <= 16:
+        logits = project_to_vocab(hidden_states, head)
+        return logits, ForCausalLMLoss(
             logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
         )
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
-    logits = logits.view(-1, vocab_size)
-    valid = targets != ignore_index
-    targets = targets.masked_fill(~valid, 0)
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
-        bad = int(targets.min()) if int(targets.min()) < 0 else int(targets.max())
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if len(targets) != len(flat):
         raise ValueError(
-            f"labels contain {bad}, neither a token id in [0, {vocab_size}) nor ignore_index {ignore_index}"
+            f"labels hold {len(targets)} positions but the logits {len(flat)} "
+            f"(labels shape {tuple((labels if labels is not None else shift_labels).shape)}, "
+            f"hidden states {tuple(hidden_states.shape[:-1])}; logits_to_keep cannot be used with labels)"
+        )
+    counted = targets != ignore_index
+    targets = targets.masked_fill(~counted, 0)
+    low, high = (int(t) for t in torch.aminmax(targets)) if len(targets) else (0, 0)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"labels contain {low if low < 0 else high}, neither a token id in [0, {vocab_size}) nor "
+            f"ignore_index {ignore_index}"
         )
     if num_items_in_batch is None:
-        divisor = valid.sum().to(logits.dtype)
+        divisor = counted.sum().to(flat.dtype)
     else:
-        divisor = torch.as_tensor(num_items_in_batch, device=logits.device).to(logits.dtype)
-    return _CrossEntropy.apply(logits, targets, valid.to(logits.dtype), divisor)
+        divisor = torch.as_tensor(num_items_in_batch, device=flat.device).to(flat.dtype)
+    logits, loss = _LinearCrossEntropy.apply(flat, head.weight, targets, counted.to(flat.dtype), divisor)
+    return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
 # Every head, for `config.auto_map` in saved checkpoints (trust_remote_code users load any of them).
@@ -703,14 +751,17 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        logits = project_to_vocab(
-            slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep), self.lm_head
-        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         loss = None
-        if labels is not None:
-            # transformers' causal-LM loss, through `causal_lm_loss` unless a user set `loss_function`.
-            loss_function = getattr(self, "_loss_function", causal_lm_loss)
-            loss = loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        if labels is not None and getattr(self, "_loss_function", None) is None:
+            # transformers' causal-LM loss (ForCausalLMLoss), computed together with the head.
+            logits, loss = lm_logits_and_loss(
+                hidden_states, self.lm_head, labels, self.config.vocab_size, **kwargs
+            )
+        else:
+            logits = project_to_vocab(hidden_states, self.lm_head)
+            if labels is not None:  # a loss_function the user set
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

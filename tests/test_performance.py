@@ -1,5 +1,5 @@
 """The CPU speed-ups in modeling_hfgpt.py compute what the plain PyTorch / transformers code computes:
-the LM head (`project_to_vocab`), the causal-LM loss (`causal_lm_loss`), dropout (`dropout`,
+the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`), dropout (`dropout`,
 `GPTDropout`) and training attention with dropout (`cpu_dropout_attention`)."""
 
 import pytest
@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 from hfgpt.modeling.modeling_hfgpt import (
-    causal_lm_loss,
     cpu_dropout_attention,
     dropout,
     keep_mask,
+    lm_logits_and_loss,
     project_to_vocab,
 )
 
@@ -51,53 +51,73 @@ def test_project_to_vocab_pads_rows_of_many_positions():
         assert project_to_vocab(torch.randn(8, 1, 32), head).is_contiguous()
 
 
-def loss_pair(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple:
-    """(our loss, our gradient, transformers' loss, its gradient) for the same logits."""
-    ours = logits.detach().clone().requires_grad_(True)
-    theirs = logits.detach().clone().requires_grad_(True)
-    a = causal_lm_loss(ours, labels, vocab_size=logits.shape[-1], **kwargs)
-    b = ForCausalLMLoss(theirs, labels, vocab_size=logits.shape[-1], **kwargs)
-    (a * 3.0).backward()
-    (b * 3.0).backward()
-    return a, ours.grad, b, theirs.grad
+def head_and_loss_pair(
+    hidden: torch.Tensor, labels: torch.Tensor | None, logits_weight: float = 0.0, **kwargs
+):
+    """Our (logits, loss, gradients) and those of F.linear + transformers' ForCausalLMLoss, for the same
+    hidden states and head weight. `logits_weight` also back-propagates through the returned logits."""
+    torch.manual_seed(1)
+    weight = torch.randn(500, hidden.shape[-1])
+    results = []
+    for fused in (True, False):
+        h = hidden.detach().clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        head = torch.nn.Linear(h.shape[-1], 500, bias=False)
+        if fused:
+            head.weight = torch.nn.Parameter(w)
+            logits, loss = lm_logits_and_loss(h, head, labels, vocab_size=500, **kwargs)
+            w = head.weight
+        else:
+            logits = F.linear(h, w)
+            loss = ForCausalLMLoss(logits, labels, vocab_size=500, **kwargs)
+        upstream = torch.linspace(-1, 1, logits.numel()).view(logits.shape)
+        (3.0 * loss + logits_weight * (logits * upstream).sum()).backward()
+        results.append((logits.detach(), loss.detach(), h.grad, w.grad))
+    return results
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"num_items_in_batch": torch.tensor(7)}, {"num_items_in_batch": 5}, {"ignore_index": 3}],
 )
-def test_causal_lm_loss_equals_transformers(kwargs):
+@pytest.mark.parametrize("slice_elements", [4 << 20, 27 * 128])  # one vocabulary slice, or four
+@pytest.mark.parametrize("logits_weight", [0.0, 0.5])
+def test_lm_logits_and_loss_equal_the_head_and_transformers_loss(
+    kwargs, slice_elements, logits_weight, monkeypatch
+):
+    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", slice_elements)
     torch.manual_seed(0)
-    logits = torch.randn(3, 9, 50) * 4
-    labels = torch.randint(0, 50, (3, 9))
+    hidden = torch.randn(3, 9, 32) * 2
+    labels = torch.randint(0, 500, (3, 9))
     labels[0, :4] = kwargs.get("ignore_index", -100)
     labels[2, 5] = 3
-    got, got_grad, expected, expected_grad = loss_pair(logits, labels, **kwargs)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got_grad, expected_grad, atol=1e-7, rtol=1e-5)
+    ours, theirs = head_and_loss_pair(hidden, labels, logits_weight, **kwargs)
+    for got, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_causal_lm_loss_takes_shift_labels_and_strided_logits():
+def test_lm_logits_and_loss_take_shift_labels():
     torch.manual_seed(0)
-    buffer = torch.randn(2 * 6, 64)
-    logits = buffer[:, :50].view(2, 6, 50)  # rows padded as project_to_vocab pads them
-    shift = torch.randint(0, 50, (2, 6))
-    shift[1, -1] = -100
-    got, got_grad, expected, expected_grad = loss_pair(logits, None, shift_labels=shift)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got_grad, expected_grad, atol=1e-7, rtol=1e-5)
+    shift = torch.randint(0, 500, (2, 12))
+    shift[1, -3:] = -100
+    ours, theirs = head_and_loss_pair(torch.randn(2, 12, 32), None, shift_labels=shift)
+    for got, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_causal_lm_loss_with_nothing_to_count_is_nan_like_transformers():
-    labels = torch.full((1, 4), -100)
-    got, _, expected, _ = loss_pair(torch.randn(1, 4, 10), labels)
-    assert got.isnan() and expected.isnan()
+def test_lm_loss_with_nothing_to_count_is_nan_like_transformers():
+    ours, theirs = head_and_loss_pair(torch.randn(1, 20, 32), torch.full((1, 20), -100))
+    assert ours[1].isnan() and theirs[1].isnan()
 
 
-def test_causal_lm_loss_names_a_bad_label():
-    labels = torch.tensor([[1, 2, 57]])
+def test_lm_logits_and_loss_name_bad_labels():
+    head = torch.nn.Linear(32, 50, bias=False)
+    labels = torch.randint(0, 50, (1, 20))
+    labels[0, 7] = 57
     with pytest.raises(ValueError, match=r"labels contain 57, neither a token id in \[0, 50\)"):
-        causal_lm_loss(torch.randn(1, 3, 50), labels, vocab_size=50)
+        lm_logits_and_loss(torch.randn(1, 20, 32), head, labels, vocab_size=50)
+    with pytest.raises(ValueError, match="labels hold 30 positions but the logits 20"):
+        lm_logits_and_loss(torch.randn(1, 20, 32), head, labels.repeat(1, 2)[:, :30], vocab_size=50)
 
 
 def test_user_loss_function_is_honoured():
@@ -156,7 +176,7 @@ def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
 def test_training_forward_without_drops_equals_sdpa(layer_norm_position):
     """With a dropout probability so small that nothing is dropped, the training path (GPTDropout,
-    cpu_dropout_attention with transformers' padding mask, the aligned head and causal_lm_loss) gives
+    cpu_dropout_attention with transformers' padding mask, lm_logits_and_loss) gives
     the eval-mode sdpa model's logits, loss and gradients."""
     tiny = 1e-12  # round(p * 2^32) = 0: no element can be dropped, the scale is 1 / (1 - 1e-12)
     config = GPTConfig(
