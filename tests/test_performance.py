@@ -204,3 +204,30 @@ def test_training_forward_without_drops_equals_sdpa(layer_norm_position):
     torch.testing.assert_close(logits_t[real], logits_e[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss_t, loss_e, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad_t, grad_e, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_replays_the_same_dropout_masks():
+    """Checkpointing recomputes each block's forward in backward: `keep_mask` draws from the default
+    generator, whose state torch.utils.checkpoint restores, so the recomputed masks are the same."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)).train()
+    ids = torch.randint(0, 96, (2, 24))
+
+    def grads() -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = grads()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5)
+    # The masks do drop: another seed gives other gradients.
+    torch.manual_seed(8)
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    assert not torch.allclose(
+        model.transformer.h[0].attn.c_attn.weight.grad, plain["transformer.h.0.attn.c_attn.weight"]
+    )
