@@ -323,17 +323,19 @@ class _RowAlignedLinear(torch.autograd.Function):
         return grad_hidden, grad_weight
 
 
-def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
-    """Whether `project_to_vocab` and `lm_logits_and_loss` compute the head themselves: a plain float32
-    `nn.Linear` without bias on the CPU, outside compiled graphs. Anything else takes `head(...)`."""
+def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this file computes `hidden @ weight.T` for the vocabulary itself (`project_to_vocab`,
+    `_LinearCrossEntropy`): float32 on the CPU, outside compiled graphs."""
     return (
-        type(head) is nn.Linear
-        and head.bias is None
-        and head.weight.device.type == "cpu"
-        and head.weight.dtype == torch.float32
-        and hidden_states.dtype == torch.float32
+        weight.device.type == "cpu"
+        and weight.dtype == hidden.dtype == torch.float32
         and not torch.compiler.is_compiling()
     )
+
+
+def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
+    """`fast_product_applies` for a plain `nn.Linear` head without bias; anything else takes `head(...)`."""
+    return type(head) is nn.Linear and head.bias is None and fast_product_applies(hidden_states, head.weight)
 
 
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
@@ -460,6 +462,18 @@ def lm_logits_and_loss(
     return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
+def weighted_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`logits = hidden @ weight.T`, the sum over rows of `weights` x the cross-entropy of `targets`),
+    for hidden (N, E), weight (V, E), targets and weights (N,). `_LinearCrossEntropy` where
+    `fast_product_applies`, else `F.linear` and `F.cross_entropy`."""
+    if len(hidden) > 16 and fast_product_applies(hidden, weight):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), hidden.new_tensor(1.0))
+    logits = F.linear(hidden, weight)
+    return logits, (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
+
+
 # Every head, for `config.auto_map` in saved checkpoints (trust_remote_code users load any of them).
 AUTO_MAP = {
     "AutoConfig": "configuration_hfgpt.GPTConfig",
@@ -570,26 +584,36 @@ class GPTPreTrainedModel(PreTrainedModel):
         return (positions * (input_ids != pad_id)).argmax(-1)
 
     def _auxiliary_lm_loss(
-        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        head_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """GPT-1's auxiliary LM objective L1 on the task inputs (Radford et al. 2018, §3.2, train.py `model`):
-        next-token cross-entropy with the tied embedding matrix, averaged over each sequence's real tokens
-        (mask M[:, 1:]), then over sequences. One deliberate difference: train.py's single matrix `we` also
-        holds the position rows, so its softmax normalises over them too; here it runs over the vocabulary
-        only, as every LM head in transformers does (targets are never positions)."""
+        next-token cross-entropy with the (tied) LM head, averaged over each sequence's real tokens (mask
+        M[:, 1:]), then over sequences. Returns the LM logits at every position and L1. One deliberate
+        difference: train.py's single matrix `we` also holds the position rows, so its softmax normalises
+        over them too; here it runs over the vocabulary only, as every LM head in transformers does
+        (targets are never positions)."""
         seq_len = input_ids.shape[-1]
-        hidden = hidden_states.reshape(-1, seq_len, hidden_states.shape[-1])[:, :-1]
         targets = input_ids.reshape(-1, seq_len)[:, 1:]
         if attention_mask is not None:
-            mask = attention_mask.reshape(-1, seq_len)[:, 1:].to(hidden.dtype)
+            mask = attention_mask.reshape(-1, seq_len)[:, 1:].float()
         elif self.config.pad_token_id is not None:
-            mask = (targets != self.config.pad_token_id).to(hidden.dtype)
+            mask = (targets != self.config.pad_token_id).float()
         else:
-            mask = torch.ones_like(targets, dtype=hidden.dtype)
-        logits = F.linear(hidden, self.get_input_embeddings().weight).float()
-        token_losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        per_sequence = (token_losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_sequence.mean()
+            mask = torch.ones_like(targets, dtype=torch.float32)
+        # Each counted next token weighs 1 / (its sequence's count) / (the number of sequences); the last
+        # position, which has no next token, weighs 0 (so one head product gives every position's logits).
+        weights = F.pad(mask / mask.sum(-1, keepdim=True).clamp(min=1) / len(targets), (0, 1))
+        logits, loss = weighted_lm_loss(
+            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            head_weight,
+            F.pad(targets, (0, 1)).reshape(-1),
+            weights.reshape(-1),
+        )
+        return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
 class GPTModel(GPTPreTrainedModel):
@@ -835,7 +859,9 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             classification_loss = self._classification_loss(logits, labels)
             loss = classification_loss
             if self.config.lm_loss_weight > 0 and input_ids is not None:
-                lm_loss = self._auxiliary_lm_loss(hidden, input_ids, attention_mask)
+                _, lm_loss = self._auxiliary_lm_loss(
+                    hidden, input_ids, attention_mask, self.get_input_embeddings().weight
+                )
                 loss = classification_loss + self.config.lm_loss_weight * lm_loss
         return GPTSequenceClassifierOutput(
             loss=loss,
@@ -927,7 +953,6 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, C, T, E)
-        lm_logits = self.lm_head(hidden)
         if mc_token_ids is None:
             seq_len = hidden.shape[-2]
             n_rows = hidden[..., 0, 0].numel()
@@ -939,10 +964,13 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
         if mc_labels is not None:
             mc_loss = F.cross_entropy(mc_logits.reshape(-1, mc_logits.size(-1)), mc_labels.reshape(-1))
         if labels is not None:
-            shift_logits = lm_logits[..., :-1, :].reshape(-1, lm_logits.size(-1))
-            lm_loss = F.cross_entropy(shift_logits, labels[..., 1:].reshape(-1).to(shift_logits.device))
+            lm_logits, lm_loss = lm_logits_and_loss(hidden, self.lm_head, labels, self.config.vocab_size)
         elif mc_labels is not None and self.config.lm_loss_weight > 0 and input_ids is not None:
-            lm_loss = self._auxiliary_lm_loss(hidden, input_ids, attention_mask)
+            lm_logits, lm_loss = self._auxiliary_lm_loss(
+                hidden, input_ids, attention_mask, self.lm_head.weight
+            )
+        else:
+            lm_logits = project_to_vocab(hidden, self.lm_head)
         if mc_loss is not None:
             loss = mc_loss if lm_loss is None else mc_loss + self.config.lm_loss_weight * lm_loss
         else:

@@ -158,6 +158,12 @@ def test_sequence_classification_loss_is_l2_plus_lambda_l1(shape, lam):
         torch.testing.assert_close(out.lm_loss, l1)
     else:
         assert out.lm_loss is None
+    # The gradients agree too (the model's fused head-and-loss backward against autograd of the hand sum).
+    params = [model.transformer.wte.weight, model.transformer.h[0].attn.c_attn.weight, model.score.weight]
+    got = torch.autograd.grad(out.loss, params)
+    expected = torch.autograd.grad(l2 + lam * l1, params)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
 
 
 def test_double_heads_loss_is_mc_loss_plus_lambda_l1():
@@ -175,6 +181,10 @@ def test_double_heads_loss_is_mc_loss_plus_lambda_l1():
     l1 = _hand_lm_loss(hidden, ids, mask, model.transformer.wte.weight)
     torch.testing.assert_close(out.mc_logits, mc_logits)
     torch.testing.assert_close(out.loss, l2 + 0.5 * l1)
+    torch.testing.assert_close(out.logits, hidden @ model.lm_head.weight.T)  # every position's LM logits
+    got = torch.autograd.grad(out.loss, [model.transformer.wte.weight])
+    expected = torch.autograd.grad(l2 + 0.5 * l1, [model.transformer.wte.weight])
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-5)
 
 
 # --- metrics ------------------------------------------------------------------------------------------
