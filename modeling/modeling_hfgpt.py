@@ -91,7 +91,8 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.T
         n *= size
     words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=device)
     draws = words.view(torch.int32)[:n].view(shape)
-    return draws >= -(2**31) + round(p * 2**32)
+    # The highest threshold, 2^31 - 1, keeps 1 in 2^32: a larger Python int would wrap in the comparison.
+    return draws >= min(-(2**31) + round(p * 2**32), 2**31 - 1)
 
 
 class _MaskedScale(torch.autograd.Function):

@@ -137,6 +137,7 @@ def test_keep_mask_keeps_one_minus_p_and_follows_the_seed():
     # An odd count draws half a word more and uses its first half.
     assert keep_mask((3, 5), 0.5, torch.device("cpu")).shape == (3, 5)
     assert not keep_mask((1000,), 0.999999, torch.device("cpu")).any()
+    assert not keep_mask((1000,), 1 - 1e-12, torch.device("cpu")).any()  # round(p * 2^32) = 2^32
 
 
 def test_dropout_scales_kept_values_and_gradients():
