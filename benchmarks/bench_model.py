@@ -47,6 +47,7 @@ from transformers import (
 from transformers import logging as hf_logging
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.interop import to_transformers, to_transformers_config
 from hfgpt.modeling.quantization import quantize_for_decoding
 
 FAMILIES = ("gpt2", "gpt1")
@@ -99,29 +100,13 @@ def our_config(family: str, overrides: dict[str, Any]) -> GPTConfig:
     return GPTConfig.from_preset("gpt2" if family == "gpt2" else "openai-gpt", **overrides)
 
 
-def peer_config(config: GPTConfig, family: str) -> GPT2Config | OpenAIGPTConfig:
-    """The transformers config of the same shape. OpenAIGPT's `afn="gelu"` is the tanh GELU."""
-    shape = dict(
-        vocab_size=config.vocab_size,
-        n_positions=config.n_positions,
-        n_embd=config.n_embd,
-        n_layer=config.n_layer,
-        n_head=config.n_head,
-        resid_pdrop=config.resid_pdrop,
-        embd_pdrop=config.embd_pdrop,
-        attn_pdrop=config.attn_pdrop,
-        layer_norm_epsilon=config.layer_norm_epsilon,
-    )
-    if family == "gpt2":
-        return GPT2Config(**shape, attn_implementation="sdpa")
-    return OpenAIGPTConfig(**shape, afn="gelu")
-
-
-# Our state dict -> OpenAIGPTLMHeadModel's (everything else already has the same name).
-TO_OPENAI_GPT = {
-    "transformer.wte.": "transformer.tokens_embed.",
-    "transformer.wpe.": "transformer.positions_embed.",
-}
+def peer_config(config: GPTConfig) -> GPT2Config | OpenAIGPTConfig:
+    """transformers' config of the same model (`interop.to_transformers_config`), GPT-2 on sdpa.
+    OpenAIGPT's `afn="gelu"` is the tanh GELU."""
+    peer = to_transformers_config(config)
+    if isinstance(peer, GPT2Config):
+        peer._attn_implementation = "sdpa"
+    return peer
 
 
 def build_ours(family: str, overrides: dict[str, Any], device: str, seed: int = 0) -> GPTForCausalLM:
@@ -129,21 +114,12 @@ def build_ours(family: str, overrides: dict[str, Any], device: str, seed: int = 
     return GPTForCausalLM(our_config(family, overrides)).to(device)
 
 
-def build_peer(ours: GPTForCausalLM, family: str) -> PreTrainedModel:
-    """transformers' model of the same shape holding a copy of `ours`' weights."""
-    config = peer_config(ours.config, family)
-    peer = GPT2LMHeadModel(config) if family == "gpt2" else OpenAIGPTLMHeadModel(config)
-    state = {}
-    for key, value in ours.state_dict().items():
-        if family == "gpt1":
-            for old, new in TO_OPENAI_GPT.items():
-                key = key.replace(old, new)
-        state[key] = value
-    missing, unexpected = peer.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-    if missing or unexpected:
-        raise RuntimeError(f"weights did not transfer: missing {missing}, unexpected {unexpected}")
-    peer.tie_weights()
+def build_peer(ours: GPTForCausalLM) -> PreTrainedModel:
+    """transformers' model of the same shape holding a copy of `ours`' weights (`interop.to_transformers`,
+    which refuses an incomplete transfer), GPT-2 on sdpa."""
+    peer = to_transformers(ours)
+    if isinstance(peer, GPT2LMHeadModel):
+        peer.set_attn_implementation("sdpa")
     return peer.to(ours.device)
 
 
@@ -555,7 +531,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["impl"] == "transformers":
         # Random weights of its own: values do not change memory, and no second model is ever resident.
         peer_cls = GPT2LMHeadModel if family == "gpt2" else OpenAIGPTLMHeadModel
-        model = peer_cls(peer_config(config, family)).to(device)
+        model = peer_cls(peer_config(config)).to(device)
     else:
         model = GPTForCausalLM(config).to(device)
     model.eval()
@@ -693,7 +669,7 @@ def run(
     for family in families:
         if timing_sections:
             ours = build_ours(family, profile["model_overrides"], device).eval()
-            peer = build_peer(ours, family).eval()
+            peer = build_peer(ours).eval()
             hardware[f"{family}_decode_weight_bytes"] = decode_weight_bytes(ours)
             for section, fn in (
                 ("prefill", prefill_rows),
