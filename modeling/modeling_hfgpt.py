@@ -9,6 +9,7 @@ This file imports only torch, transformers and its sibling `configuration_hfgpt.
 `save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
 """
 
+import math
 import os
 import re
 import shutil
@@ -81,14 +82,12 @@ def eager_attention_forward(
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """Bernoulli(1 - p) keep mask for dropout, drawn as 32-bit integers from the default generator.
 
-    On the CPU, `bernoulli_` costs ~4.4 ns an element (12% of a GPT-2 training step went to dropout's
+    On the CPU, `bernoulli_` costs ~4.4 ns an element (~7% of a GPT-2 training step went to dropout's
     sampling and scaling); two 32-bit draws cut from each 64-bit `randint` word cost ~1.5 ns. An element
     is dropped when its draw falls in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33.
     Seeded by `torch.manual_seed` like any other draw (the stream differs from `F.dropout`'s).
     """
-    n = 1
-    for size in shape:
-        n *= size
+    n = math.prod(shape)
     words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=device)
     draws = words.view(torch.int32)[:n].view(shape)
     # The highest threshold, 2^31 - 1, keeps 1 in 2^32: a larger Python int would wrap in the comparison.
@@ -364,15 +363,16 @@ HEAD_SLICE_ELEMENTS = 4 << 20  # 16 MB of float32 gradient at a time in `_Linear
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """(logits, summed token cross-entropy / divisor) of `hidden @ weight.T`, for `lm_logits_and_loss`.
+    """(logits, sum over rows of row weight x token cross-entropy, / divisor) of `hidden @ weight.T`, for
+    `lm_logits_and_loss` and `weighted_lm_loss`.
 
     Backward forms softmax - onehot a slice of the vocabulary at a time (~16 MB) and feeds each slice
     straight into the two head products, so the full N x V gradient never exists. Saved: the logits
     (which the caller holds anyway) and one log-sum-exp per row. `F.cross_entropy` on materialised
     logits saves a log-softmax copy and builds two full N x V gradients (NLL's, then log-softmax's): for
-    GPT-2's 1024 x 50257 rows of a training step that is ~600 MB more at the peak here, and the loss
-    itself costs several times as long on the CPU. A gradient reaching the returned logits from other
-    uses is added in.
+    GPT-2's head and loss over 1024 rows, forward and backward, the peak above the start was 406-457 MB
+    here against 627-630 MB, and the time 1.28-1.32 s against 1.48-1.50 s (benchmarks/RESULTS.md). A
+    gradient reaching the returned logits from other uses is added in.
     """
 
     @staticmethod
@@ -381,8 +381,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden: torch.Tensor,  # (N, E)
         weight: torch.Tensor,  # (V, E)
         targets: torch.Tensor,  # (N,) token ids, 0 where not counted
-        counted: torch.Tensor,  # (N,) 1.0 where counted, else 0.0
-        divisor: torch.Tensor,  # () the number the summed loss is divided by
+        row_weights: torch.Tensor,  # (N,) float weight of each row's loss, 0.0 where not counted
+        divisor: torch.Tensor,  # () the number the weighted sum is divided by
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
         logits = row_aligned_mm(hidden, weight)  # (N, V)
@@ -390,16 +390,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, len(lse), 128):  # bounds logsumexp's temporaries to 128 rows
             lse[start : start + 128] = torch.logsumexp(logits[start : start + 128], dim=-1)
         picked = logits.gather(1, targets[:, None]).squeeze(1)
-        ctx.save_for_backward(hidden, weight, logits, targets, counted, lse, divisor)
-        return logits, ((lse - picked) * counted).sum() / divisor
+        ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor)
+        return logits, ((lse - picked) * row_weights).sum() / divisor
 
     @staticmethod
     def backward(
         ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        hidden, weight, logits, targets, counted, lse, divisor = ctx.saved_tensors
+        hidden, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
         rows, vocab = logits.shape
-        scale = (counted * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
+        scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
