@@ -1,6 +1,8 @@
 """The CPU speed-ups in modeling_hfgpt.py compute what the plain PyTorch / transformers code computes:
-the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`), dropout (`dropout`,
-`GPTDropout`) and training attention with dropout (`cpu_dropout_attention`)."""
+the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`, `log_sum_exp`),
+dropout (`dropout`, `GPTDropout`, `masked_scale`), training attention with dropout
+(`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`) and the in-place MLP
+activation."""
 
 import pytest
 import torch
@@ -9,10 +11,14 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 from hfgpt.modeling.modeling_hfgpt import (
+    banded_attention_applies,
+    cpu_banded_attention,
     cpu_dropout_attention,
     dropout,
     keep_mask,
     lm_logits_and_loss,
+    log_sum_exp,
+    masked_scale,
     project_to_vocab,
 )
 
@@ -232,3 +238,77 @@ def test_gradient_checkpointing_replays_the_same_dropout_masks():
     assert not torch.allclose(
         model.transformer.h[0].attn.c_attn.weight.grad, plain["transformer.h.0.attn.c_attn.weight"]
     )
+
+
+def test_log_sum_exp_equals_torch_logsumexp_including_infinities():
+    torch.manual_seed(0)
+    logits = torch.randn(37, 300) * 20
+    logits[3] = float("-inf")  # nothing possible: -inf
+    logits[5, 7] = float("inf")  # one certain token: +inf
+    logits[9, :299] = float("-inf")  # one finite entry among -inf
+    for rows_at_once in (1, 16, 64):
+        torch.testing.assert_close(log_sum_exp(logits, rows_at_once), torch.logsumexp(logits, dim=-1))
+
+
+def test_masked_scale_reads_the_boolean_mask_as_zero_or_one():
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 6)
+    keep = torch.rand(4, 5, 6) > 0.3
+    got = masked_scale(x, keep, 1.25)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got, torch.where(keep, x * 1.25, 0.0))
+    # A strided (transposed) mask is read element by element too.
+    torch.testing.assert_close(masked_scale(x.mT, keep.mT, 2.0), torch.where(keep.mT, x.mT * 2.0, 0.0))
+
+
+@pytest.mark.parametrize("length", [128, 130, 200, 512])
+def test_cpu_banded_attention_equals_causal_sdpa(length):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, length, 16) for _ in range(3))
+    assert banded_attention_applies(q, k, None)
+    got, weights = cpu_banded_attention(torch.nn.Module(), q, k, v, None, scaling=0.2)
+    assert weights is None and got.shape == (2, length, 3, 16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2).transpose(1, 2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_banded_attention_applies_only_to_plain_causal_inference():
+    q = torch.randn(1, 2, 256, 8)
+    assert banded_attention_applies(q, q, None)
+    assert not banded_attention_applies(q, q, torch.ones(256, 256, dtype=torch.bool))  # a mask
+    assert not banded_attention_applies(q[:, :, :1], q, None)  # a decoding step against cached keys
+    assert not banded_attention_applies(q[:, :, :100], q[:, :, :100], None)  # too short to gain
+    assert not banded_attention_applies(q.repeat(1, 1, 3, 1), q.repeat(1, 1, 3, 1), None)  # 768: no gain
+    assert not banded_attention_applies(q.bfloat16(), q.bfloat16(), None)
+    assert not banded_attention_applies(q.requires_grad_(), q, None)  # autograd: sdpa's backward
+
+
+@pytest.mark.parametrize("activation_function", ["gelu_new", "gelu", "relu", "silu"])
+def test_inference_forward_with_in_place_activation_and_bands_equals_the_training_graph(
+    activation_function,
+):
+    """Without autograd the MLP overwrites c_fc's output with its activation and attention runs in
+    bands (at 150 positions); the logits are those of the same forward with autograd on, which takes
+    neither shortcut."""
+    config = GPTConfig(**{**TINY, "n_positions": 160}, activation_function=activation_function)
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config).eval()
+    ids = torch.randint(0, 96, (2, 150))
+    expected = model(ids).logits
+    assert expected.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_hook_on_c_fc_keeps_its_output():
+    """The in-place activation must not overwrite what a forward hook on c_fc was handed."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    mlp = model.transformer.h[0].mlp
+    inputs, outputs = [], []
+    mlp.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    mlp.c_fc.register_forward_hook(lambda module, args, output: outputs.append(output))
+    with torch.no_grad():
+        model(torch.randint(0, 96, (1, 12)))
+        torch.testing.assert_close(outputs[0], mlp.c_fc(inputs[0]))
+    assert outputs[0].min() < -0.2  # pre-activations: below the tanh GELU's minimum (-0.17)
