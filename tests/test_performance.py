@@ -180,20 +180,47 @@ def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
+    """From 128 positions on, causal attention without a mask runs in bands of 64 query rows, drawing
+    one keep mask per band over the keys that band sees."""
+    module = torch.nn.Module()
+    q, k, v = attention_inputs(length=150)
+    torch.manual_seed(5)
+    got, _ = cpu_dropout_attention(module, q, k, v, None, scaling=0.3, dropout=0.2)
+    torch.manual_seed(5)
+    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
+    for start, stop in ((0, 64), (64, 128), (128, 150)):
+        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    causal = torch.ones(150, 150, dtype=torch.bool).tril()
+    probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
+    expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
-def test_training_forward_without_drops_equals_sdpa(layer_norm_position):
+@pytest.mark.parametrize("padded", [True, False])
+def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded):
     """With a dropout probability so small that nothing is dropped, the training path (GPTDropout,
-    cpu_dropout_attention with transformers' padding mask, lm_logits_and_loss) gives
-    the eval-mode sdpa model's logits, loss and gradients."""
+    cpu_dropout_attention with transformers' padding mask, or in bands without one, lm_logits_and_loss)
+    gives the eval-mode sdpa model's logits, loss and gradients."""
     tiny = 1e-12  # round(p * 2^32) = 0: no element can be dropped, the scale is 1 / (1 - 1e-12)
     config = GPTConfig(
-        **TINY, layer_norm_position=layer_norm_position, resid_pdrop=tiny, embd_pdrop=tiny, attn_pdrop=tiny
+        **{**TINY, "n_positions": 160},
+        layer_norm_position=layer_norm_position,
+        resid_pdrop=tiny,
+        embd_pdrop=tiny,
+        attn_pdrop=tiny,
     )
     torch.manual_seed(0)
     model = GPTForCausalLM(config)
-    ids = torch.randint(0, 96, (2, 20))
+    ids = torch.randint(0, 96, (2, 20 if padded else 150))
     mask = torch.ones_like(ids)
-    mask[1, :6] = 0  # left padding
+    if padded:
+        mask[1, :6] = 0  # left padding
     labels = ids.masked_fill(mask == 0, -100)
     outputs = {}
     for training in (True, False):
