@@ -143,9 +143,8 @@ class GPTDropout(nn.Dropout):
         return dropout(x, self.p, self.training)
 
 
-ATTENTION_BAND = (
-    64  # query rows at a time in causal CPU attention (cpu_dropout_attention, cpu_banded_attention)
-)
+# Query rows at a time in causal CPU attention (`cpu_dropout_attention`, `cpu_banded_attention`).
+ATTENTION_BAND = 64
 
 
 def cpu_dropout_attention(
