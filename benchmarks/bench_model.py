@@ -154,10 +154,29 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+PROBE = "matmul rate"  # names the `matmul_probes` contenders in the prefill and training rounds
+
+
+def matmul_shapes(tiny: bool) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the GEMMs that measure the matmul rate: GPT-2-like shapes (MLP in, MLP out, square)."""
+    return [(256, 64, 256)] if tiny else [(2048, 768, 3072), (2048, 3072, 768), (2048, 2048, 2048)]
+
+
+def matmul_probes(device: str, dtype: torch.dtype, tiny: bool) -> dict[str, tuple[Callable[[], Any], float]]:
+    """`measure_hardware`'s GEMMs as contenders for `interleaved` (name: (callable, FLOPs)). Timed
+    between the model runs, the best of them is the matmul rate of those same minutes."""
+    probes = {}
+    for m, k, n in matmul_shapes(tiny):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        probes[f"{PROBE} {m}x{k}x{n}"] = (lambda a=a, b=b: a @ b, 2.0 * m * k * n)
+    return probes
+
+
 def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
     """The matmul rate (best median over GPT-2-like shapes; fp32, and bf16 on CUDA for the bf16 training
     row) and the memory read rate."""
-    shapes = [(256, 64, 256)] if tiny else [(2048, 768, 3072), (2048, 3072, 768), (2048, 2048, 2048)]
+    shapes = matmul_shapes(tiny)
     out = {}
     for key, dtype in (("matmul_flops_per_s", torch.float32), ("bf16_matmul_flops_per_s", torch.bfloat16)):
         if dtype != torch.float32 and not device.startswith("cuda"):
@@ -237,6 +256,17 @@ def interleaved(
     return timings
 
 
+def with_probes(
+    ctx: Context, fns: dict[str, Callable[[], Any]], dtype: torch.dtype
+) -> tuple[dict[str, Timing], float]:
+    """`interleaved(fns)` with `matmul_probes` among them: the timings of `fns` and the best rate of the
+    probes, measured in the same rounds."""
+    probes = matmul_probes(ctx.device, dtype, ctx.tiny)
+    timings = interleaved({**fns, **{name: fn for name, (fn, _) in probes.items()}}, ctx.repeats, ctx.device)
+    rate = max(flops / timings.pop(name).median for name, (_, flops) in probes.items())
+    return timings, rate
+
+
 def left_padded_prompts(
     batch: int, length: int, vocab: int, pad_id: int, device: str
 ) -> dict[str, torch.Tensor]:
@@ -297,7 +327,8 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
                 "transformers": lambda m=peer, k=keep, x=ids: _forward(m, x, k),
             }
             flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
-            for impl, timing in interleaved(fns, ctx.repeats, ctx.device).items():
+            timings, concurrent = with_probes(ctx, fns, torch.float32)
+            for impl, timing in timings.items():
                 rows.append(
                     Row(
                         "prefill",
@@ -308,7 +339,12 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
                         rate=batch * seq_len / timing.median,
                         unit="tok/s",
                         mfu=flops / timing.median / ctx.hardware["matmul_flops_per_s"],
-                        extra={"max_abs_logit_diff": err, "flops": flops},
+                        extra={
+                            "max_abs_logit_diff": err,
+                            "flops": flops,
+                            "concurrent_matmul_flops_per_s": concurrent,
+                            "mfu_concurrent": flops / timing.median / concurrent,
+                        },
                     )
                 )
     return rows
@@ -451,7 +487,8 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
         # Copies, so the optimizer steps do not change the weights the other sections use.
         a, b = copy.deepcopy(ours), copy.deepcopy(peer)
         fns = {"hfgpt": make_train_step(a, ids, dtype), "transformers": make_train_step(b, ids, dtype)}
-        for impl, timing in interleaved(fns, ctx.repeats, ctx.device).items():
+        timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
+        for impl, timing in timings.items():
             rows.append(
                 Row(
                     "train",
@@ -462,7 +499,13 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
                     rate=batch * seq_len / timing.median,
                     unit="tok/s",
                     mfu=flops / timing.median / ctx.hardware[peak_key],
-                    extra={"s_per_step": timing.median, "flops": flops, "peak_key": peak_key},
+                    extra={
+                        "s_per_step": timing.median,
+                        "flops": flops,
+                        "peak_key": peak_key,
+                        "concurrent_matmul_flops_per_s": concurrent,
+                        "mfu_concurrent": flops / timing.median / concurrent,
+                    },
                 )
             )
         del a, b
@@ -806,7 +849,7 @@ def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
     row = ours or peer
     ex = row["extra"]
     if section == "prefill":
-        return f"max logit diff {ex['max_abs_logit_diff']:.1e}"
+        return f"max logit diff {ex['max_abs_logit_diff']:.1e}; {_concurrent(ours, peer)}"
     if section == "decode":
         floor = ex["floor_ms_per_step"]
         text = f"{ours['extra']['ms_per_step']:.1f} vs {peer['extra']['ms_per_step']:.1f} ms/step"
@@ -814,7 +857,7 @@ def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
             text += f" (floor {floor:.1f})"
         return text + f"; tokens identical: {'yes' if ex['tokens_identical'] else 'NO'}"
     if section == "train":
-        return f"{ours['median_s']:.2f} vs {peer['median_s']:.2f} s/step"
+        return f"{ours['median_s']:.2f} vs {peer['median_s']:.2f} s/step; {_concurrent(ours, peer)}"
     if section == "compile":
         parts = [
             f"{name}: compile {r['extra']['first_call_s (compile)']:.0f}s, "
@@ -835,6 +878,16 @@ def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
             f"{a:.2f} GB" for a in above
         )
     return ""
+
+
+def _concurrent(ours: dict, peer: dict) -> str:
+    """The MFU of both against the matmul rate measured between their runs."""
+    rate = ours["extra"]["concurrent_matmul_flops_per_s"]
+    unit, scale = ("TFLOP/s", 1e12) if rate >= 1e12 else ("GFLOP/s", 1e9)
+    return (
+        f"matmul rate between the runs {rate / scale:.0f} {unit}: MFU "
+        f"{100 * ours['extra']['mfu_concurrent']:.0f}% vs {100 * peer['extra']['mfu_concurrent']:.0f}%"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

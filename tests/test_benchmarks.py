@@ -63,6 +63,13 @@ def test_figures_are_finite_and_positive(tiny_report):
         assert row["rate"] > 0 and math.isfinite(row["rate"]), row
         if row["section"] != "memory":
             assert row["min_s"] <= row["median_s"] <= row["max_s"], row
+        if row["section"] in ("prefill", "train"):
+            # The matmul rate measured between the model runs, and the utilisation against it.
+            ex = row["extra"]
+            assert ex["concurrent_matmul_flops_per_s"] > 0, row
+            assert ex["mfu_concurrent"] == pytest.approx(
+                ex["flops"] / row["median_s"] / ex["concurrent_matmul_flops_per_s"]
+            )
 
 
 def test_same_weights_give_same_logits_and_tokens(tiny_report):
