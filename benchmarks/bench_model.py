@@ -403,15 +403,16 @@ def _no_grad(fn: Callable, *args: Any) -> Any:
 
 
 def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
-    """Lower-precision decoding (B=1): bfloat16 weights and int8 dynamic quantisation (on the CPU both from
-    `quantize_for_decoding`), against float32 hfgpt and transformers, with the accuracy cost: logit error
-    on a prefill and greedy agreement."""
+    """Decoding copies (B=1): bfloat16 weights, int8 dynamic quantisation and, on the CPU, the float32
+    `DecodingLinear` copy (all from `quantize_for_decoding`), against float32 hfgpt and transformers,
+    with the accuracy cost: logit error on a prefill and greedy agreement."""
     new = ctx.profile["new_tokens"]
     prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
     variants: dict[str, nn.Module] = {"hfgpt fp32": ours, "transformers fp32": peer}
     if ctx.device == "cpu":
         variants["hfgpt bf16"] = quantize_for_decoding(ours, torch.bfloat16)
         variants["hfgpt int8"] = quantize_for_decoding(ours)
+        variants["hfgpt fp32 copy"] = quantize_for_decoding(ours, torch.float32)
     else:
         variants["hfgpt bf16"] = copy.deepcopy(ours).to(torch.bfloat16)
     ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)), device=ctx.device)

@@ -52,7 +52,7 @@ def test_every_section_has_both_implementations(tiny_report):
         for section in sections:
             assert (family, section, "hfgpt") in seen
             assert (family, section, "transformers") in seen
-    for variant in ("hfgpt fp32", "hfgpt bf16", "hfgpt int8", "transformers fp32"):
+    for variant in ("hfgpt fp32", "hfgpt bf16", "hfgpt int8", "hfgpt fp32 copy", "transformers fp32"):
         assert ("gpt2", "lowp", variant) in seen
 
 
@@ -85,6 +85,9 @@ def test_low_precision_accuracy_is_measured(tiny_report):
         r["impl"]: r["extra"] for r in tiny_report["rows"] if r["section"] == "lowp" and r["family"] == "gpt2"
     }
     assert lowp["hfgpt fp32"]["max_abs_logit_err"] == 0.0
+    # The float32 copy computes the same numbers in another order: float rounding, the same tokens.
+    assert lowp["hfgpt fp32 copy"]["max_abs_logit_err"] < 1e-5
+    assert lowp["hfgpt fp32 copy"]["greedy_token_agreement"] == 1.0
     for name in ("hfgpt bf16", "hfgpt int8"):
         # Lower precision changes the logits a little, never wildly, on a tiny random model.
         assert 0.0 < lowp[name]["max_abs_logit_err"] < 0.5
@@ -107,8 +110,8 @@ def test_table_lists_every_measurement(bench, tiny_report):
     assert (
         table.count("| gpt2 |")
         == sum(1 for key in {(r["section"], r["case"]) for r in tiny_report["rows"] if r["family"] == "gpt2"})
-        + 2
-    )  # the lowp group is one line per low-precision variant (fp32, bf16, int8) instead of one
+        + 3
+    )  # the lowp group is one line per variant (fp32, bf16, int8, fp32 copy) instead of one
     assert "tokens identical: yes" in table and "NO" not in table
 
 

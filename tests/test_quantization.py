@@ -1,10 +1,11 @@
-"""Lower-precision decoding (int8, bfloat16): a faithful, independent copy of the float32 model."""
+"""Decoding copies (int8, bfloat16, float32 `DecodingLinear`): faithful, independent copies of the
+float32 model."""
 
 import pytest
 import torch
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
-from hfgpt.modeling.quantization import quantize_for_decoding
+from hfgpt.modeling.quantization import DecodingLinear, quantize_for_decoding
 
 
 @pytest.fixture
@@ -52,5 +53,35 @@ def test_bfloat16_copy_uses_linear_layers_and_stays_close(model):
 
 
 def test_refuses_other_dtypes(model):
-    with pytest.raises(ValueError, match="torch.qint8 or torch.bfloat16 weights, not torch.float16"):
+    with pytest.raises(ValueError, match="torch.bfloat16 or torch.float32 weights, not torch.float16"):
         quantize_for_decoding(model, torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (16, 48), (17, 48), (3, 1, 48), (2, 5, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decoding_linear_equals_f_linear(shape, bias):
+    torch.manual_seed(0)
+    layer = DecodingLinear(48, 80, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        got = layer(x)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_float32_copy_gives_the_same_logits_and_tokens(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = quantize_for_decoding(model, torch.float32)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sum(type(m) is DecodingLinear for m in fast.modules()) == 4 * 2  # every Conv1D
+    assert all(p.dtype == torch.float32 for p in fast.parameters())
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the decoding steps run 2 rows through DecodingLinear's fast product
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(fast.generate(ids, **kwargs), model.generate(ids, **kwargs))
+        one = dict(attention_mask=mask[:1], max_new_tokens=8, do_sample=False)
+        assert torch.equal(fast.generate(ids[:1], **one), model.generate(ids[:1], **one))
