@@ -162,43 +162,41 @@ def attention_inputs(batch: int = 2, heads: int = 3, length: int = 7, dim: int =
     return [torch.randn(batch, heads, length, dim, requires_grad=True) for _ in range(3)]
 
 
-def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
-    module = torch.nn.Module()
-    q, k, v = attention_inputs()
-    torch.manual_seed(5)
-    got, weights = cpu_dropout_attention(module, q, k, v, None, scaling=0.3, dropout=0.2)
-    assert weights is None
-    torch.manual_seed(5)
-    keep = keep_mask((2, 3, 7, 7), 0.2, torch.device("cpu"))
-    causal = torch.ones(7, 7, dtype=torch.bool).tril()
-    probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
-    expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
+def assert_is_masked_softmax_attention(got, q, k, v, keep, scaling=0.3, p=0.2):
+    """`got` (B, T, H, D) has the values and the q, k, v gradients of causal softmax attention with the
+    kept weights scaled by 1 / (1 - p)."""
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = F.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")), dim=-1)
+    expected = ((probs * keep / (1 - p)) @ v).transpose(1, 2)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
+    q, k, v = attention_inputs()
+    torch.manual_seed(5)
+    got, weights = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
+    assert weights is None
+    torch.manual_seed(5)
+    keep = keep_mask((2, 3, 7, 7), 0.2, torch.device("cpu"))
+    assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
 def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
     """From 128 positions on, causal attention without a mask runs in bands of 64 query rows, drawing
     one keep mask per band over the keys that band sees."""
-    module = torch.nn.Module()
     q, k, v = attention_inputs(length=150)
     torch.manual_seed(5)
-    got, _ = cpu_dropout_attention(module, q, k, v, None, scaling=0.3, dropout=0.2)
+    got, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
     torch.manual_seed(5)
     keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
     for start, stop in ((0, 64), (64, 128), (128, 150)):
         keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
-    causal = torch.ones(150, 150, dtype=torch.bool).tril()
-    probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
-    expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for g, e in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
