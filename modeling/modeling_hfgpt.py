@@ -165,20 +165,31 @@ def cpu_dropout_attention(
     attend), or an additive float mask. As in sdpa, a query row with nothing to attend to (a left-padding
     position) gets zero weights (`torch._safe_softmax`, the softmax sdpa's own math path uses).
 
-    Causal self-attention over 128 positions or more (no mask) runs `ATTENTION_BAND` query rows at a
-    time against the keys up to each band's last row, skipping the masked upper triangle: for GPT-2's 12
-    heads at B=4 x 256, forward and backward with dropout took 23 ms a layer here against 36 ms for the
-    whole square.
+    Causal self-attention over 128 positions or more runs `ATTENTION_BAND` query rows at a time against
+    the keys up to each band's last row, skipping the masked upper triangle: for GPT-2's 12 heads at
+    B=4 x 256, forward and backward with dropout took 23 ms a layer here against 36 ms for the whole
+    square. That covers no mask, and a boolean mask that attends to no later position (transformers'
+    causal mask with padding): each band then takes its rows of the mask.
     """
     seq_len, total = query.shape[-2], key.shape[-2]
-    if attention_mask is None and seq_len == total and seq_len >= 2 * ATTENTION_BAND:
+    causal_mask = attention_mask is not None and attention_mask.dtype == torch.bool
+    if (
+        seq_len == total
+        and seq_len >= 2 * ATTENTION_BAND
+        and (attention_mask is None or (causal_mask and not attention_mask.triu(1).any()))
+    ):
         future = torch.ones(ATTENTION_BAND, ATTENTION_BAND, dtype=torch.bool, device=query.device).triu(1)
         bands = []
         for start in range(0, seq_len, ATTENTION_BAND):
             stop = min(start + ATTENTION_BAND, seq_len)
             scores = torch.matmul(query[:, :, start:stop], key[:, :, :stop].transpose(-1, -2)).mul_(scaling)
-            scores[..., start:].masked_fill_(future[: stop - start, : stop - start], float("-inf"))
-            bands.append(_dropout_and_values(F.softmax(scores, dim=-1), value[:, :, :stop], dropout))
+            if attention_mask is None:
+                scores[..., start:].masked_fill_(future[: stop - start, : stop - start], float("-inf"))
+                weights = F.softmax(scores, dim=-1)
+            else:
+                scores.masked_fill_(~attention_mask[..., start:stop, :stop], float("-inf"))
+                weights = torch._safe_softmax(scores, -1)
+            bands.append(_dropout_and_values(weights, value[:, :, :stop], dropout))
         return torch.cat(bands, dim=1), None  # (B, T, H, D)
     scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)  # (B, H, T, S)
     if attention_mask is None:

@@ -199,12 +199,32 @@ def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
+@pytest.mark.parametrize("prefix", [0, 100])
+def test_cpu_dropout_attention_takes_any_boolean_mask(prefix):
+    """A boolean mask over 150 positions: causal with a padded row (bands), or also attending to later
+    positions within a 100-token prefix (not causal: the whole square). Without drops, as sdpa."""
+    q, k, v = attention_inputs(length=150)
+    mask = torch.ones(150, 150, dtype=torch.bool).tril()
+    mask[:prefix, :prefix] = True
+    mask = mask.expand(2, 1, 150, 150).clone()
+    mask[1, :, :, :5] = False  # left padding: the first rows of batch row 1 see nothing
+    mask[1, :, :5, :] = False
+    got, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3, dropout=1e-12)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3).transpose(1, 2)
+    real = torch.ones(2, 150, dtype=torch.bool)
+    real[1, :5] = False  # sdpa's rows with nothing to attend to are not compared
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert (got[~real] == 0).all()
+
+
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
 @pytest.mark.parametrize("padded", [True, False])
-def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded):
+@pytest.mark.parametrize("length", [20, 150])
+def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded, length):
     """With a dropout probability so small that nothing is dropped, the training path (GPTDropout,
-    cpu_dropout_attention with transformers' padding mask, or in bands without one, lm_logits_and_loss)
-    gives the eval-mode sdpa model's logits, loss and gradients."""
+    cpu_dropout_attention with or without transformers' padding mask, over the whole square at 20
+    positions and in bands at 150, lm_logits_and_loss) gives the eval-mode sdpa model's logits, loss
+    and gradients."""
     tiny = 1e-12  # round(p * 2^32) = 0: no element can be dropped, the scale is 1 / (1 - 1e-12)
     config = GPTConfig(
         **{**TINY, "n_positions": 160},
@@ -215,7 +235,7 @@ def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded)
     )
     torch.manual_seed(0)
     model = GPTForCausalLM(config)
-    ids = torch.randint(0, 96, (2, 20 if padded else 150))
+    ids = torch.randint(0, 96, (2, length))
     mask = torch.ones_like(ids)
     if padded:
         mask[1, :6] = 0  # left padding
