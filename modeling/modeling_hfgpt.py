@@ -172,11 +172,10 @@ def cpu_dropout_attention(
     causal mask with padding): each band then takes its rows of the mask.
     """
     seq_len, total = query.shape[-2], key.shape[-2]
-    causal_mask = attention_mask is not None and attention_mask.dtype == torch.bool
     if (
         seq_len == total
         and seq_len >= 2 * ATTENTION_BAND
-        and (attention_mask is None or (causal_mask and not attention_mask.triu(1).any()))
+        and (attention_mask is None or attends_to_no_later_position(attention_mask))
     ):
         future = torch.ones(ATTENTION_BAND, ATTENTION_BAND, dtype=torch.bool, device=query.device).triu(1)
         bands = []
@@ -214,17 +213,24 @@ def _dropout_and_values(weights: torch.Tensor, value: torch.Tensor, p: float) ->
 
 def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> bool:
     """Whether `cpu_banded_attention` stands in for sdpa: causal self-attention over 128-767 positions
-    (no mask, no cached keys) in float32 on the CPU, without autograd, outside compiled graphs."""
+    (no cached keys; no mask, or a boolean one that attends to no later position) in float32 on the
+    CPU, without autograd, outside compiled graphs."""
     length = query.shape[-2]
     return (
-        attention_mask is None
-        and key.shape[-2] == length
+        key.shape[-2] == length
         and 2 * ATTENTION_BAND <= length < 768
         and query.dtype == torch.float32
         and query.device.type == "cpu"
         and not query.requires_grad
         and not torch.compiler.is_compiling()
+        and (attention_mask is None or attends_to_no_later_position(attention_mask))
     )
+
+
+def attends_to_no_later_position(attention_mask: torch.Tensor) -> bool:
+    """Whether a boolean (..., T, T) mask is causal: transformers' sdpa mask with padding is; a custom
+    4D mask may not be, and then attention takes the whole square."""
+    return attention_mask.dtype == torch.bool and not attention_mask.triu(1).any()
 
 
 def cpu_banded_attention(
@@ -232,13 +238,14 @@ def cpu_banded_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: None,
+    attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal sdpa run `ATTENTION_BAND` query rows at a time, each band against the keys up to its last
-    row, written straight into the (B, T, H, D) output.
+    row (and its rows of a causal boolean mask, where there is one), written straight into the
+    (B, T, H, D) output.
 
     Below 768 positions torch's CPU flash-attention kernel is ~25% slower on the causal square than on
     these bands (12 heads of 64, 1 x 512 positions: 3.8 vs 5.0 ms here; from 768 positions on, where the
@@ -247,14 +254,15 @@ def cpu_banded_attention(
     """
     batch, heads, length, dim = query.shape
     output = query.new_empty(batch, length, heads, dim)
-    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    if attention_mask is None:
+        attention_mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     for start in range(0, length, ATTENTION_BAND):
         stop = min(start + ATTENTION_BAND, length)
         band = F.scaled_dot_product_attention(
             query[:, :, start:stop],
             key[:, :, :stop],
             value[:, :, :stop],
-            attn_mask=causal[start:stop, :stop],
+            attn_mask=attention_mask[..., start:stop, :stop],
             scale=scaling,
         )
         output[:, start:stop] = band.transpose(1, 2)

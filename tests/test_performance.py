@@ -317,10 +317,30 @@ def test_cpu_banded_attention_equals_causal_sdpa(length):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefix", [0, 100])
+def test_cpu_banded_attention_under_a_padding_mask_equals_sdpa(prefix):
+    """Left padding (rows that see nothing give zeros, as in sdpa) in bands; a mask looking ahead
+    across bands (a 100-token bidirectional prefix) is not banded."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 200, 16) for _ in range(3))
+    mask = torch.ones(200, 200, dtype=torch.bool).tril()
+    mask[:prefix, :prefix] = True
+    mask = mask.expand(2, 1, 200, 200).clone()
+    mask[1, :, :, :70] = False
+    mask[1, :, :70, :] = False
+    assert banded_attention_applies(q, k, mask) == (prefix == 0)
+    if prefix == 0:
+        got, _ = cpu_banded_attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2).transpose(1, 2)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_banded_attention_applies_only_to_plain_causal_inference():
     q = torch.randn(1, 2, 256, 8)
     assert banded_attention_applies(q, q, None)
-    assert not banded_attention_applies(q, q, torch.ones(256, 256, dtype=torch.bool))  # a mask
+    assert banded_attention_applies(q, q, torch.ones(256, 256, dtype=torch.bool).tril())
+    assert not banded_attention_applies(q, q, torch.ones(256, 256, dtype=torch.bool))  # looks ahead
+    assert not banded_attention_applies(q, q, torch.zeros(256, 256))  # an additive float mask
     assert not banded_attention_applies(q[:, :, :1], q, None)  # a decoding step against cached keys
     assert not banded_attention_applies(q[:, :, :100], q[:, :, :100], None)  # too short to gain
     assert not banded_attention_applies(q.repeat(1, 1, 3, 1), q.repeat(1, 1, 3, 1), None)  # 768: no gain
@@ -329,20 +349,26 @@ def test_banded_attention_applies_only_to_plain_causal_inference():
 
 
 @pytest.mark.parametrize("activation_function", ["gelu_new", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("padded", [False, True])
 def test_inference_forward_with_in_place_activation_and_bands_equals_the_training_graph(
-    activation_function,
+    activation_function, padded
 ):
     """Without autograd the MLP overwrites c_fc's output with its activation and attention runs in
-    bands (at 150 positions); the logits are those of the same forward with autograd on, which takes
-    neither shortcut."""
+    bands (at 150 positions, with or without left padding); the logits are those of the same forward
+    with autograd on, which takes neither shortcut."""
     config = GPTConfig(**{**TINY, "n_positions": 160}, activation_function=activation_function)
     torch.manual_seed(0)
     model = GPTForCausalLM(config).eval()
     ids = torch.randint(0, 96, (2, 150))
-    expected = model(ids).logits
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :30] = 0
+    expected = model(ids, attention_mask=mask).logits
     assert expected.requires_grad
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected.detach(), atol=1e-5, rtol=1e-5)
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected.detach()[real], atol=1e-5, rtol=1e-5)
 
 
 def test_a_forward_hook_on_c_fc_keeps_its_output():
