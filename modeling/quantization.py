@@ -60,9 +60,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
 
     Each Conv1D becomes the equivalent `nn.Linear` first:
     - float32: nothing is quantised: `DecodingLinear` layers give the same values (to float rounding)
-      and the same greedy tokens, and a decoding step runs ~1.2x faster at one row (GPT-2 124M, 64
-      new tokens: 1.47 vs 1.83 s; 3.76 vs 4.08 s at eight rows). The copy holds a second set of weights:
-      drop the original when memory matters.
+      and the same greedy tokens, and decoding steps run faster (GPT-2 124M: 20.0 vs 24.3 ms a step at
+      one row in benchmarks/RESULTS.md; 64 new tokens at eight rows, 3.33 vs 3.94 s). The copy holds a
+      second set of weights: drop the original when memory matters.
     - int8: torch.ao dynamic quantisation, which handles `nn.Linear` only. The LM head, tied to `wte`,
       gets its own int8 copy while the embedding lookup stays float32. Weights get one scale per output
       channel (a per-tensor scale costs ~4x more logit error on GPT-2 shapes); activations are
