@@ -302,14 +302,11 @@ class GPTAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        if self.config._attn_implementation == "sdpa" and fast_dropout_applies(
-            query, self.attn_dropout, self.training
-        ):
-            attention_interface = cpu_dropout_attention
-        elif self.config._attn_implementation == "sdpa" and banded_attention_applies(
-            query, key, attention_mask
-        ):
-            attention_interface = cpu_banded_attention
+        if self.config._attn_implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
+            if fast_dropout_applies(query, self.attn_dropout, self.training):
+                attention_interface = cpu_dropout_attention
+            elif banded_attention_applies(query, key, attention_mask):
+                attention_interface = cpu_banded_attention
         input_dtype = query.dtype
         if self.config.reorder_and_upcast_attn and input_dtype not in (torch.float32, torch.float64):
             # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
@@ -448,6 +445,20 @@ def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# Up to this many rows (a decoding step), a product with a weight runs as `few_rows_product`.
+FEW_ROWS = 16
+
+
+def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
+    `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
+    2-4x slower (GPT-2's 50257 x 768 head: 4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
+    benchmarks/RESULTS.md). Contiguous (rows, out)."""
+    rows = len(flat)
+    columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
+    return torch.mm(weight, columns.T)[:, :rows].T.contiguous()
+
+
 def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
     """`fast_product_applies` for a plain `nn.Linear` head without bias; anything else takes `head(...)`."""
     return type(head) is nn.Linear and head.bias is None and fast_product_applies(hidden_states, head.weight)
@@ -456,10 +467,8 @@ def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """`head(hidden_states)`, computed faster where `fast_head_applies`.
 
-    - 1-16 rows (a decoding step): MKL runs `F.linear(h, W)` for GPT-2's tall 50257 x 768 head as a
-      matrix-vector kernel reading the weight at ~16 GB/s; the same product as `W @ h^T` with at least
-      two columns reads it 2-4x faster (4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
-      benchmarks/RESULTS.md).
+    - 1-`FEW_ROWS` rows (a decoding step): `few_rows_product` (MKL's matrix-vector kernel reads GPT-2's
+      tall 50257 x 768 head at ~16 GB/s).
     - More rows (prefill): `row_aligned_mm`.
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
     """
@@ -467,11 +476,9 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
         return head(hidden_states)
     rows = hidden_states.numel() // hidden_states.shape[-1]
     flat = hidden_states.reshape(rows, -1)
-    if rows > 16:
+    if rows > FEW_ROWS:
         return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
-    columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
-    logits = torch.mm(head.weight, columns.T)[:, :rows].T  # (rows, V)
-    return logits.contiguous().view(*hidden_states.shape[:-1], -1)
+    return few_rows_product(flat, head.weight).view(*hidden_states.shape[:-1], -1)
 
 
 def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
@@ -563,7 +570,8 @@ def lm_logits_and_loss(
     arguments and values (next-token cross-entropy, labels shifted inside, `ignore_index` skipped, mean
     over the counted tokens or sum / `num_items_in_batch` for Trainer's gradient accumulation).
     Where `fast_head_applies`, both come from `_LinearCrossEntropy`; elsewhere from the plain calls."""
-    if not fast_head_applies(hidden_states, head) or hidden_states.numel() // hidden_states.shape[-1] <= 16:
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    if not fast_head_applies(hidden_states, head) or rows <= FEW_ROWS:
         logits = project_to_vocab(hidden_states, head)
         return logits, ForCausalLMLoss(
             logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
@@ -600,7 +608,7 @@ def weighted_lm_loss(
     """(`logits = hidden @ weight.T`, the sum over rows of `weights` x the cross-entropy of `targets`),
     for hidden (N, E), weight (V, E), targets and weights (N,). `_LinearCrossEntropy` where
     `fast_product_applies`, else `F.linear` and `F.cross_entropy`."""
-    if len(hidden) > 16 and fast_product_applies(hidden, weight):
+    if len(hidden) > FEW_ROWS and fast_product_applies(hidden, weight):
         return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), hidden.new_tensor(1.0))
     logits = F.linear(hidden, weight)
     return logits, (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()

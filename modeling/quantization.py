@@ -15,28 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .modeling_hfgpt import GPTPreTrainedModel
+from .modeling_hfgpt import FEW_ROWS, GPTPreTrainedModel, fast_product_applies, few_rows_product
 
 
 class DecodingLinear(nn.Linear):
-    """`nn.Linear` whose float32 CPU product for 1-16 rows (a decoding step) is `W @ x^T` with at least
-    two columns: MKL's one-row kernel for `F.linear` reads the weight ~1.3-1.8x slower (GPT-2's
-    768 x 2304 / 768 x 3072 / 3072 x 768 weights, out of cache: 279 / 361 / 493 us for Conv1D's addmm
-    against 152 / 221 / 357 us this way). The same product as `project_to_vocab` uses for the LM head."""
+    """`nn.Linear` whose float32 CPU product for 1-`FEW_ROWS` rows (a decoding step) is
+    `few_rows_product`, as `project_to_vocab` computes the LM head: MKL's one-row kernel for `F.linear`
+    reads the weight ~1.3-1.8x slower (GPT-2's 768 x 2304 / 768 x 3072 / 3072 x 768 weights, out of
+    cache: 279 / 361 / 493 us for Conv1D's addmm against 152 / 221 / 357 us this way)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        fast = (
-            0 < rows <= 16
-            and x.dtype == self.weight.dtype == torch.float32
-            and x.device.type == "cpu"
-            and not torch.compiler.is_compiling()
-        )
-        if not fast:
+        if not (0 < rows <= FEW_ROWS and fast_product_applies(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, -1)
-        columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
-        out = torch.mm(self.weight, columns.T)[:, :rows].T.contiguous()
+        out = few_rows_product(x.reshape(rows, -1), self.weight)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], -1)
