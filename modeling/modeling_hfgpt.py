@@ -435,14 +435,25 @@ class _RowAlignedLinear(torch.autograd.Function):
         return grad_hidden, grad_weight
 
 
-def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this file computes `hidden @ weight.T` for the vocabulary itself (`project_to_vocab`,
-    `_LinearCrossEntropy`): float32 on the CPU, outside compiled graphs."""
-    return (
+def vocab_product_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which this file computes `hidden @ weight.T` for the vocabulary itself
+    (`project_to_vocab`, `_LinearCrossEntropy`), or None where the plain ops run: float32 hidden states
+    and weights on the CPU, outside compiled graphs, compute in float32, or in bfloat16 inside
+    `torch.autocast("cpu", dtype=torch.bfloat16)`, where `F.linear` would run in bfloat16 too."""
+    if not (
         weight.device.type == "cpu"
         and weight.dtype == hidden.dtype == torch.float32
         and not torch.compiler.is_compiling()
-    )
+    ):
+        return None
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32
+    return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
+
+
+def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this file computes `hidden @ weight.T` itself in float32 (`vocab_product_dtype`)."""
+    return vocab_product_dtype(hidden, weight) == torch.float32
 
 
 # Up to this many rows (a decoding step), a product with a weight runs as `few_rows_product`.
@@ -459,9 +470,16 @@ def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, columns.T)[:, :rows].T.contiguous()
 
 
+def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dtype | None:
+    """`vocab_product_dtype` for a plain `nn.Linear` head without bias; None (`head(...)`) for others."""
+    if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    return vocab_product_dtype(hidden_states, head.weight)
+
+
 def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
-    """`fast_product_applies` for a plain `nn.Linear` head without bias; anything else takes `head(...)`."""
-    return type(head) is nn.Linear and head.bias is None and fast_product_applies(hidden_states, head.weight)
+    """Whether `project_to_vocab` computes the head itself: float32 (`head_product_dtype`)."""
+    return head_product_dtype(hidden_states, head) == torch.float32
 
 
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
@@ -485,12 +503,13 @@ def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
     """`torch.logsumexp(logits, dim=-1)` for (N, V) logits, `rows_at_once` rows at a time through one
     reused buffer (16 x 50257 floats: 3.2 MB). Chunks of `torch.logsumexp` allocate a fresh temporary
     each, paid again in page faults on the CPU: for 1,024 rows of GPT-2 logits, 28 ms and 750 faults
-    here against 39 ms and 6,250 faults in 128-row chunks."""
-    lse = logits.new_empty(logits.shape[0])
-    buffer = logits.new_empty(min(rows_at_once, len(logits)), logits.shape[1])
+    here against 39 ms and 6,250 faults in 128-row chunks. Computed, and returned, in float32 (also for
+    bfloat16 logits)."""
+    lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    buffer = logits.new_empty(min(rows_at_once, len(logits)), logits.shape[1], dtype=torch.float32)
     for start in range(0, len(logits), rows_at_once):
         chunk = logits[start : start + rows_at_once]
-        peak = chunk.amax(dim=-1, keepdim=True)
+        peak = chunk.amax(dim=-1, keepdim=True).float()  # float32, so that the difference below is too
         peak.masked_fill_(~peak.isfinite(), 0.0)  # rows of -inf give -inf, a +inf gives +inf, as logsumexp
         exps = torch.sub(chunk, peak, out=buffer[: len(chunk)]).exp_()
         torch.add(exps.sum(dim=-1).log_(), peak.squeeze(1), out=lse[start : start + len(chunk)])
@@ -511,36 +530,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
     GPT-2's head and loss over 1024 rows, forward and backward, the peak above the start was 406-457 MB
     here against 627-630 MB, and the time 1.28-1.32 s against 1.48-1.50 s (benchmarks/RESULTS.md). A
     gradient reaching the returned logits from other uses is added in.
+
+    The products run in `dtype` (`vocab_product_dtype`): float32, or bfloat16 under CPU autocast, as
+    autocast would run `F.linear` — bfloat16 logits, the softmax, loss and gradient sums in float32, and
+    float32 gradients for the float32 inputs.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
-        hidden: torch.Tensor,  # (N, E)
-        weight: torch.Tensor,  # (V, E)
+        hidden: torch.Tensor,  # (N, E) float32
+        weight: torch.Tensor,  # (V, E) float32
         targets: torch.Tensor,  # (N,) token ids, 0 where not counted
         row_weights: torch.Tensor,  # (N,) float weight of each row's loss, 0.0 where not counted
         divisor: torch.Tensor,  # () the number the weighted sum is divided by
+        dtype: torch.dtype = torch.float32,  # of the products (and the logits)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
+        hidden, weight = hidden.to(dtype), weight.to(dtype)  # the same tensors in float32
         logits = row_aligned_mm(hidden, weight)  # (N, V)
         lse = log_sum_exp(logits)
-        picked = logits.gather(1, targets[:, None]).squeeze(1)
+        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
         ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor)
         return logits, ((lse - picked) * row_weights).sum() / divisor
 
     @staticmethod
     def backward(
         ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
         rows, vocab = logits.shape
         scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        float32 = weight.dtype == torch.float32
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        grad_weight = weight.new_empty(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
         row_ids = torch.arange(rows, device=logits.device)
-        buffer = logits.new_empty(rows * width)  # one slice's gradient, reused by every slice
+        # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
+        buffer = logits.new_empty(rows * width, dtype=torch.float32)
+        low = buffer if float32 else logits.new_empty(rows * width)
         for start in range(0, vocab, width):
             stop = min(start + width, vocab)
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
@@ -549,11 +577,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
             if grad_logits is not None:
                 grad += grad_logits[:, start:stop]
+            product = grad if float32 else low[: grad.numel()].view(grad.shape).copy_(grad)
             if grad_hidden is not None:
-                grad_hidden.addmm_(grad, weight[start:stop])
+                if float32:
+                    grad_hidden.addmm_(product, weight[start:stop])
+                else:  # addmm_ takes one dtype: the slices' sum stays float32
+                    grad_hidden += product @ weight[start:stop]
             if grad_weight is not None:
-                torch.mm(grad.T, hidden, out=grad_weight[start:stop])
-        return grad_hidden, grad_weight, None, None, None
+                if float32:
+                    torch.mm(product.T, hidden, out=grad_weight[start:stop])
+                else:
+                    grad_weight[start:stop] = product.T @ hidden
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def lm_logits_and_loss(
@@ -569,9 +604,11 @@ def lm_logits_and_loss(
     """`logits = head(hidden_states)` and transformers' `ForCausalLMLoss(logits, labels, ...)`: the same
     arguments and values (next-token cross-entropy, labels shifted inside, `ignore_index` skipped, mean
     over the counted tokens or sum / `num_items_in_batch` for Trainer's gradient accumulation).
-    Where `fast_head_applies`, both come from `_LinearCrossEntropy`; elsewhere from the plain calls."""
+    Where `head_product_dtype` names a dtype, both come from `_LinearCrossEntropy`; elsewhere from the
+    plain calls."""
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    if not fast_head_applies(hidden_states, head) or rows <= FEW_ROWS:
+    dtype = head_product_dtype(hidden_states, head)
+    if dtype is None or rows <= FEW_ROWS:
         logits = project_to_vocab(hidden_states, head)
         return logits, ForCausalLMLoss(
             logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
@@ -598,7 +635,9 @@ def lm_logits_and_loss(
         divisor = counted.sum().to(flat.dtype)
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=flat.device).to(flat.dtype)
-    logits, loss = _LinearCrossEntropy.apply(flat, head.weight, targets, counted.to(flat.dtype), divisor)
+    logits, loss = _LinearCrossEntropy.apply(
+        flat, head.weight, targets, counted.to(flat.dtype), divisor, dtype
+    )
     return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
@@ -607,9 +646,11 @@ def weighted_lm_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`logits = hidden @ weight.T`, the sum over rows of `weights` x the cross-entropy of `targets`),
     for hidden (N, E), weight (V, E), targets and weights (N,). `_LinearCrossEntropy` where
-    `fast_product_applies`, else `F.linear` and `F.cross_entropy`."""
-    if len(hidden) > FEW_ROWS and fast_product_applies(hidden, weight):
-        return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), hidden.new_tensor(1.0))
+    `vocab_product_dtype` names a dtype, else `F.linear` and `F.cross_entropy`."""
+    dtype = vocab_product_dtype(hidden, weight)
+    if len(hidden) > FEW_ROWS and dtype is not None:
+        divisor = hidden.new_tensor(1.0)
+        return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), divisor, dtype)
     logits = F.linear(hidden, weight)
     return logits, (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
 

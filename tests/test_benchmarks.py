@@ -56,6 +56,18 @@ def test_every_section_has_both_implementations(tiny_report):
         assert ("gpt2", "lowp", variant) in seen
 
 
+def test_training_runs_in_fp32_and_under_bf16_autocast(tiny_report):
+    hw = tiny_report["hardware"]
+    assert hw["bf16_matmul_flops_per_s"] > 0
+    train = [r for r in tiny_report["rows"] if r["section"] == "train" and r["family"] == "gpt2"]
+    for label, peak_key in (("fp32", "matmul_flops_per_s"), ("bf16 autocast", "bf16_matmul_flops_per_s")):
+        rows = [r for r in train if f", {label}," in r["case"]]
+        assert {r["impl"] for r in rows} == {"hfgpt", "transformers"}, label
+        for row in rows:  # utilisation against the matmul rate of the step's own precision
+            assert row["extra"]["peak_key"] == peak_key
+            assert row["mfu"] == pytest.approx(row["extra"]["flops"] / row["median_s"] / hw[peak_key])
+
+
 def test_figures_are_finite_and_positive(tiny_report):
     hw = tiny_report["hardware"]
     assert hw["matmul_flops_per_s"] > 0 and hw["read_bytes_per_s"] > 0

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling.interop import to_transformers
 from hfgpt.modeling.modeling_hfgpt import (
     banded_attention_applies,
     cpu_banded_attention,
@@ -58,10 +59,15 @@ def test_project_to_vocab_pads_rows_of_many_positions():
 
 
 def head_and_loss_pair(
-    hidden: torch.Tensor, labels: torch.Tensor | None, logits_weight: float = 0.0, **kwargs
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    logits_weight: float = 0.0,
+    autocast: torch.dtype | None = None,
+    **kwargs,
 ):
     """Our (logits, loss, gradients) and those of F.linear + transformers' ForCausalLMLoss, for the same
-    hidden states and head weight. `logits_weight` also back-propagates through the returned logits."""
+    hidden states and head weight, both forwards inside CPU autocast to `autocast` where given.
+    `logits_weight` also back-propagates through the returned logits."""
     torch.manual_seed(1)
     weight = torch.randn(500, hidden.shape[-1])
     results = []
@@ -69,13 +75,14 @@ def head_and_loss_pair(
         h = hidden.detach().clone().requires_grad_(True)
         w = weight.clone().requires_grad_(True)
         head = torch.nn.Linear(h.shape[-1], 500, bias=False)
-        if fused:
-            head.weight = torch.nn.Parameter(w)
-            logits, loss = lm_logits_and_loss(h, head, labels, vocab_size=500, **kwargs)
-            w = head.weight
-        else:
-            logits = F.linear(h, w)
-            loss = ForCausalLMLoss(logits, labels, vocab_size=500, **kwargs)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            if fused:
+                head.weight = torch.nn.Parameter(w)
+                logits, loss = lm_logits_and_loss(h, head, labels, vocab_size=500, **kwargs)
+                w = head.weight
+            else:
+                logits = F.linear(h, w)
+                loss = ForCausalLMLoss(logits, labels, vocab_size=500, **kwargs)
         upstream = torch.linspace(-1, 1, logits.numel()).view(logits.shape)
         (3.0 * loss + logits_weight * (logits * upstream).sum()).backward()
         results.append((logits.detach(), loss.detach(), h.grad, w.grad))
@@ -109,6 +116,66 @@ def test_lm_logits_and_loss_take_shift_labels():
     ours, theirs = head_and_loss_pair(torch.randn(2, 12, 32), None, shift_labels=shift)
     for got, expected in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("logits_weight", [0.0, 0.5])
+def test_lm_logits_and_loss_under_bf16_autocast_run_in_bf16_like_autocast_linear(logits_weight, monkeypatch):
+    """Inside CPU autocast to bfloat16 the fused head computes in bfloat16, as autocast runs F.linear,
+    rather than in float32 past autocast: bfloat16 logits, the loss and float32 gradients of autocast's
+    F.linear + ForCausalLMLoss, to bfloat16's precision."""
+    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)  # four vocabulary slices
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 9, 32)
+    labels = torch.randint(0, 500, (3, 9))
+    labels[0, :4] = -100
+    ours, theirs = head_and_loss_pair(hidden, labels, logits_weight, autocast=torch.bfloat16)
+    (logits, loss, grad_hidden, grad_weight), expected = ours, theirs
+    assert logits.dtype == expected[0].dtype == torch.bfloat16
+    assert logits.stride(-2) == 512  # from the fused path's row-aligned product, not F.linear's
+    assert grad_hidden.dtype == grad_weight.dtype == torch.float32
+    torch.testing.assert_close(logits.float(), expected[0].float(), atol=0.05, rtol=0.01)
+    torch.testing.assert_close(loss, expected[1], atol=0.02, rtol=0.005)
+    for got, want in ((grad_hidden, expected[2]), (grad_weight, expected[3])):
+        assert relative_error(got, want) < 0.005
+    # bfloat16 for real: float32 products would put the loss this far from autocast's only by chance.
+    fp32, _ = head_and_loss_pair(hidden, labels, logits_weight)
+    assert relative_error(logits, fp32[0]) > 1e-4
+
+
+def test_lm_logits_and_loss_leave_float16_autocast_to_the_plain_ops():
+    torch.manual_seed(0)
+    hidden, labels = torch.randn(2, 12, 32), torch.randint(0, 500, (2, 12))
+    ours, theirs = head_and_loss_pair(hidden, labels, autocast=torch.float16)
+    assert ours[0].dtype == torch.float16 and ours[0].is_contiguous()
+    for got, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_bf16_autocast_training_matches_transformers_gpt2():
+    """A training step's loss and gradients inside CPU autocast to bfloat16 agree with transformers'
+    GPT2LMHeadModel on the same weights in the same autocast, to bfloat16's precision."""
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(GPTConfig(**TINY, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0))
+    peer = to_transformers(ours)
+    ids = torch.randint(0, 96, (2, 24))
+    results = []
+    for model in (ours, peer):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n.replace("transformer.", ""): p.grad for n, p in model.named_parameters()}
+        results.append((out.logits, out.loss, grads))
+    (logits, loss, grads), (peer_logits, peer_loss, peer_grads) = results
+    assert logits.dtype == peer_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), peer_logits.float(), atol=0.05, rtol=0.01)
+    torch.testing.assert_close(loss, peer_loss, atol=0.01, rtol=0.002)
+    assert grads.keys() == peer_grads.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, peer_grads[name]) < 0.02, name
 
 
 def test_lm_loss_with_nothing_to_count_is_nan_like_transformers():
