@@ -499,6 +499,15 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
     return few_rows_product(flat, head.weight).view(*hidden_states.shape[:-1], -1)
 
 
+def subtract_per_row(x: torch.Tensor, row_values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`torch.sub(x, row_values, out=out)` for float32 `out` and `row_values`, `x` float32 or bfloat16.
+    From bfloat16, `torch.sub` converts on a slow path (1024 x 4096 logits: 1.44 ms here, against
+    0.37 ms for a copy then an in-place subtraction)."""
+    if x.dtype == out.dtype:
+        return torch.sub(x, row_values, out=out)
+    return out.copy_(x).sub_(row_values)
+
+
 def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
     """`torch.logsumexp(logits, dim=-1)` for (N, V) logits, `rows_at_once` rows at a time through one
     reused buffer (16 x 50257 floats: 3.2 MB). Chunks of `torch.logsumexp` allocate a fresh temporary
@@ -511,7 +520,7 @@ def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
         chunk = logits[start : start + rows_at_once]
         peak = chunk.amax(dim=-1, keepdim=True).float()  # float32, so that the difference below is too
         peak.masked_fill_(~peak.isfinite(), 0.0)  # rows of -inf give -inf, a +inf gives +inf, as logsumexp
-        exps = torch.sub(chunk, peak, out=buffer[: len(chunk)]).exp_()
+        exps = subtract_per_row(chunk, peak, out=buffer[: len(chunk)]).exp_()
         torch.add(exps.sum(dim=-1).log_(), peak.squeeze(1), out=lse[start : start + len(chunk)])
     return lse
 
@@ -572,7 +581,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, vocab, width):
             stop = min(start + width, vocab)
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
-            torch.sub(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # scaled softmax
+            subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
             hit = (targets >= start) & (targets < stop)
             grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
             if grad_logits is not None:

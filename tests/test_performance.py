@@ -352,14 +352,17 @@ def test_gradient_checkpointing_replays_the_same_dropout_masks():
     )
 
 
-def test_log_sum_exp_equals_torch_logsumexp_including_infinities():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_sum_exp_equals_torch_logsumexp_including_infinities(dtype):
     torch.manual_seed(0)
-    logits = torch.randn(37, 300) * 20
+    logits = (torch.randn(37, 300) * 20).to(dtype)
     logits[3] = float("-inf")  # nothing possible: -inf
     logits[5, 7] = float("inf")  # one certain token: +inf
     logits[9, :299] = float("-inf")  # one finite entry among -inf
     for rows_at_once in (1, 16, 64):
-        torch.testing.assert_close(log_sum_exp(logits, rows_at_once), torch.logsumexp(logits, dim=-1))
+        got = log_sum_exp(logits, rows_at_once)
+        assert got.dtype == torch.float32  # bfloat16 logits, float32 sums (as the loss takes them)
+        torch.testing.assert_close(got, torch.logsumexp(logits.float(), dim=-1))
 
 
 def test_masked_scale_reads_the_boolean_mask_as_zero_or_one():
