@@ -21,6 +21,7 @@ from hfgpt.modeling.modeling_hfgpt import (
     log_sum_exp,
     masked_scale,
     project_to_vocab,
+    weighted_lm_loss,
 )
 
 TINY = dict(
@@ -144,6 +145,29 @@ def test_lm_logits_and_loss_under_bf16_autocast_run_in_bf16_like_autocast_linear
     # bfloat16 for real: float32 products would put the loss this far from autocast's only by chance.
     fp32, _ = head_and_loss_pair(hidden, labels, logits_weight)
     assert relative_error(logits, fp32[0]) > 1e-4
+
+
+def test_weighted_lm_loss_under_bf16_autocast_matches_the_plain_ops(monkeypatch):
+    """GPT-1's auxiliary LM loss (a weight per token) takes the same bfloat16 path under autocast."""
+    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(40, 32), torch.randn(500, 32)
+    targets, token_weights = torch.randint(0, 500, (40,)), torch.rand(40)
+    results = []
+    for fused in (True, False):
+        if not fused:  # F.linear and F.cross_entropy, as on any other device
+            monkeypatch.setattr(modeling_hfgpt, "vocab_product_dtype", lambda *args: None)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, loss = weighted_lm_loss(h, w, targets, token_weights)
+        loss.backward()
+        results.append((logits, loss, h.grad, w.grad))
+    (logits, loss, grad_h, grad_w), expected = results
+    assert logits.dtype == expected[0].dtype == torch.bfloat16
+    assert logits.stride(0) == 512  # the fused path's row-aligned product
+    torch.testing.assert_close(logits.float(), expected[0].float(), atol=0.05, rtol=0.01)
+    torch.testing.assert_close(loss, expected[1], atol=0.05, rtol=0.002)
+    assert relative_error(grad_h, expected[2]) < 0.005 and relative_error(grad_w, expected[3]) < 0.005
 
 
 def test_lm_logits_and_loss_leave_float16_autocast_to_the_plain_ops():

@@ -1,6 +1,7 @@
 """hfgpt-train: causal-LM training through Trainer on local files, a complete reloadable checkpoint, exact
 resumption after an interruption, data-parallel runs under `accelerate launch`, and clear input errors."""
 
+import functools
 import json
 import math
 import os
@@ -99,6 +100,27 @@ def test_train_saves_a_complete_checkpoint_that_loads(tmp_path, corpus):
     assert isinstance(model, GPTForCausalLM) and model.config.vocab_size == len(tokenizer)
     ids = tokenizer("the cat", return_tensors="pt")["input_ids"]
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
+
+
+def test_bf16_on_the_cpu_trains_inside_autocast_and_saves_float32(tmp_path, corpus, monkeypatch):
+    """`--bf16 --use_cpu true` (README): Trainer runs each forward inside CPU autocast to bfloat16, the
+    LM head and loss take their bfloat16 path (bfloat16 logits, float32 loss), the weights stay float32."""
+    seen = []
+    forward = GPTForCausalLM.forward
+
+    @functools.wraps(forward)  # Trainer keeps the dataset columns that the signature names
+    def recording_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append((torch.is_autocast_enabled("cpu"), out.logits.dtype, out.loss.dtype))
+        return out
+
+    monkeypatch.setattr(GPTForCausalLM, "forward", recording_forward)
+    argv = _argv(corpus, tmp_path / "out", "--max_steps", "2", "--bf16", "true")
+    metrics = train_lm(*_parse(argv))
+    assert metrics["train_steps"] == 2 and math.isfinite(metrics["train_loss"])
+    assert seen and set(seen[:2]) == {(True, torch.bfloat16, torch.float32)}
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "csv"])
