@@ -3,7 +3,8 @@
 What is measured (issue 7), each as a ratio against the peer in the same run:
 
 * prefill: a forward over B x T tokens, with logits at every position and at the last one only
-  (`logits_to_keep=1`), tokens/s and model FLOPs utilisation against the measured matmul rate;
+  (`logits_to_keep=1`), in float32 and inside bfloat16 autocast, tokens/s and model FLOPs utilisation
+  against the measured matmul rate of that precision;
 * decoding: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
   new tokens/s, the generated tokens checked identical; beside it the bandwidth floor of one step
   (weight bytes / measured memory read rate) and lower-precision variants (bfloat16, int8 weights);
@@ -314,42 +315,51 @@ class Row:
 
 
 def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    """Forwards in float32 and inside bfloat16 autocast (MFU against the matmul rate of that precision)."""
     rows = []
     for batch, seq_len in ctx.profile["prefill_shapes"]:
         ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
-        with torch.inference_mode():
-            err = (ours(ids).logits - peer(ids).logits).abs().max().item()
-        for keep, label in ((0, "all logits"), (1, "last logits")):
-            fns = {
-                "hfgpt": lambda m=ours, k=keep, x=ids: _forward(m, x, k),
-                "transformers": lambda m=peer, k=keep, x=ids: _forward(m, x, k),
-            }
-            flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
-            timings, concurrent = with_probes(ctx, fns, torch.float32)
-            for impl, timing in timings.items():
-                rows.append(
-                    Row(
-                        "prefill",
-                        family,
-                        f"B={batch}x{seq_len}, {label}",
-                        impl,
-                        **timing.summary(),
-                        rate=batch * seq_len / timing.median,
-                        unit="tok/s",
-                        mfu=flops / timing.median / ctx.hardware["matmul_flops_per_s"],
-                        extra={
-                            "max_abs_logit_diff": err,
-                            "flops": flops,
-                            "concurrent_matmul_flops_per_s": concurrent,
-                            "mfu_concurrent": flops / timing.median / concurrent,
-                        },
+        for precision, dtype in (("", None), (", bf16 autocast", torch.bfloat16)):
+            with torch.inference_mode(), autocast_to(ids.device, dtype):
+                err = (ours(ids).logits.float() - peer(ids).logits.float()).abs().max().item()
+            peak_key = "bf16_matmul_flops_per_s" if dtype else "matmul_flops_per_s"
+            for keep, label in ((0, "all logits"), (1, "last logits")):
+                fns = {
+                    "hfgpt": lambda m=ours, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
+                    "transformers": lambda m=peer, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
+                }
+                flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
+                timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
+                for impl, timing in timings.items():
+                    rows.append(
+                        Row(
+                            "prefill",
+                            family,
+                            f"B={batch}x{seq_len}, {label}{precision}",
+                            impl,
+                            **timing.summary(),
+                            rate=batch * seq_len / timing.median,
+                            unit="tok/s",
+                            mfu=flops / timing.median / ctx.hardware[peak_key],
+                            extra={
+                                "max_abs_logit_diff": err,
+                                "flops": flops,
+                                "peak_key": peak_key,
+                                "concurrent_matmul_flops_per_s": concurrent,
+                                "mfu_concurrent": flops / timing.median / concurrent,
+                            },
+                        )
                     )
-                )
     return rows
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, keep: int) -> None:
-    with torch.inference_mode():
+def autocast_to(device: torch.device | str, dtype: torch.dtype | None) -> torch.autocast:
+    """`torch.autocast` to `dtype` on the device's type; disabled (a no-op) for None."""
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch.dtype | None = None) -> None:
+    with torch.inference_mode(), autocast_to(ids.device, autocast):
         if keep and isinstance(model, OpenAIGPTLMHeadModel):
             # OpenAIGPT's forward has no logits_to_keep: it always computes every position.
             model(ids)
@@ -464,7 +474,7 @@ def make_train_step(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
 
     def step() -> None:
-        with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with autocast_to(ids.device, autocast_dtype):
             loss = model(ids, labels=ids).loss
         loss.backward()
         optimizer.step()

@@ -213,13 +213,14 @@ def _dropout_and_values(weights: torch.Tensor, value: torch.Tensor, p: float) ->
 
 def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> bool:
     """Whether `cpu_banded_attention` stands in for sdpa: causal self-attention over 128-767 positions
-    (no cached keys; no mask, or a boolean one that attends to no later position) in float32 on the
-    CPU, without autograd, outside compiled graphs."""
+    (no cached keys; no mask, or a boolean one that attends to no later position) in float32 or
+    bfloat16 (a bfloat16 model, or inside autocast) on the CPU, without autograd, outside compiled
+    graphs."""
     length = query.shape[-2]
     return (
         key.shape[-2] == length
         and 2 * ATTENTION_BAND <= length < 768
-        and query.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
         and query.device.type == "cpu"
         and not query.requires_grad
         and not torch.compiler.is_compiling()
@@ -248,9 +249,10 @@ def cpu_banded_attention(
     (B, T, H, D) output.
 
     Below 768 positions torch's CPU flash-attention kernel is ~25% slower on the causal square than on
-    these bands (12 heads of 64, 1 x 512 positions: 3.8 vs 5.0 ms here; from 768 positions on, where the
-    kernel takes larger blocks, it is as fast as the bands). Each query row sees exactly the keys it sees
-    in one causal call, so the values agree to float rounding (tests/test_performance.py).
+    these bands (12 heads of 64, 1 x 512 positions: 3.8 vs 5.0 ms here, float32; 3.5 vs 4.9 ms in
+    bfloat16; from 768 positions on, where the kernel takes larger blocks, it is about as fast as the
+    bands). Each query row sees exactly the keys it sees in one causal call, so the values agree to
+    rounding (tests/test_performance.py).
     """
     batch, heads, length, dim = query.shape
     output = query.new_empty(batch, length, heads, dim)
@@ -477,26 +479,27 @@ def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dt
     return vocab_product_dtype(hidden_states, head.weight)
 
 
-def fast_head_applies(hidden_states: torch.Tensor, head: nn.Module) -> bool:
-    """Whether `project_to_vocab` computes the head itself: float32 (`head_product_dtype`)."""
-    return head_product_dtype(hidden_states, head) == torch.float32
-
-
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """`head(hidden_states)`, computed faster where `fast_head_applies`.
+    """`head(hidden_states)`, computed faster where `head_product_dtype` names a dtype.
 
     - 1-`FEW_ROWS` rows (a decoding step): `few_rows_product` (MKL's matrix-vector kernel reads GPT-2's
-      tall 50257 x 768 head at ~16 GB/s).
-    - More rows (prefill): `row_aligned_mm`.
+      tall 50257 x 768 head at ~16 GB/s). Under CPU bfloat16 autocast too, from the float32 weight,
+      the logits then rounded to bfloat16 (autocast's dtype): autocast would first cast the whole head
+      to bfloat16 and, for a (B, 1, E) input, multiply through a batched copy of it (GPT-2, one row:
+      4 ms against 123 ms here).
+    - More rows (prefill): `row_aligned_mm` in float32; under autocast, `head(...)` in bfloat16.
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
     """
-    if not fast_head_applies(hidden_states, head):
-        return head(hidden_states)
+    dtype = head_product_dtype(hidden_states, head)
     rows = hidden_states.numel() // hidden_states.shape[-1]
+    if dtype is None or (dtype != torch.float32 and rows > FEW_ROWS):
+        return head(hidden_states)
     flat = hidden_states.reshape(rows, -1)
     if rows > FEW_ROWS:
         return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
-    return few_rows_product(flat, head.weight).view(*hidden_states.shape[:-1], -1)
+    with torch.autocast("cpu", enabled=False):
+        logits = few_rows_product(flat, head.weight).to(dtype)
+    return logits.view(*hidden_states.shape[:-1], -1)
 
 
 def subtract_per_row(x: torch.Tensor, row_values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

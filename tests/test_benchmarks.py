@@ -56,16 +56,18 @@ def test_every_section_has_both_implementations(tiny_report):
         assert ("gpt2", "lowp", variant) in seen
 
 
-def test_training_runs_in_fp32_and_under_bf16_autocast(tiny_report):
+@pytest.mark.parametrize("section", ["prefill", "train"])
+def test_float32_and_bf16_autocast_rows_with_their_own_matmul_rate(tiny_report, section):
     hw = tiny_report["hardware"]
     assert hw["bf16_matmul_flops_per_s"] > 0
-    train = [r for r in tiny_report["rows"] if r["section"] == "train" and r["family"] == "gpt2"]
-    for label, peak_key in (("fp32", "matmul_flops_per_s"), ("bf16 autocast", "bf16_matmul_flops_per_s")):
-        rows = [r for r in train if f", {label}," in r["case"]]
-        assert {r["impl"] for r in rows} == {"hfgpt", "transformers"}, label
-        for row in rows:  # utilisation against the matmul rate of the step's own precision
-            assert row["extra"]["peak_key"] == peak_key
-            assert row["mfu"] == pytest.approx(row["extra"]["flops"] / row["median_s"] / hw[peak_key])
+    rows = [r for r in tiny_report["rows"] if r["section"] == section and r["family"] == "gpt2"]
+    bf16 = [r for r in rows if "bf16 autocast" in r["case"]]
+    assert {r["impl"] for r in bf16} == {"hfgpt", "transformers"}
+    assert len(bf16) == len(rows) / 2  # every float32 case also inside autocast
+    for row in rows:  # utilisation against the matmul rate of the row's own precision
+        peak_key = "bf16_matmul_flops_per_s" if row in bf16 else "matmul_flops_per_s"
+        assert row["extra"]["peak_key"] == peak_key
+        assert row["mfu"] == pytest.approx(row["extra"]["flops"] / row["median_s"] / hw[peak_key])
 
 
 def test_figures_are_finite_and_positive(tiny_report):
@@ -86,8 +88,9 @@ def test_figures_are_finite_and_positive(tiny_report):
 
 def test_same_weights_give_same_logits_and_tokens(tiny_report):
     for row in tiny_report["rows"]:
-        if row["section"] == "prefill":
-            assert row["extra"]["max_abs_logit_diff"] < 1e-5, row
+        if row["section"] == "prefill":  # float32 agrees to rounding; bfloat16 to its own precision
+            bound = 0.1 if row["case"].endswith("bf16 autocast") else 1e-5
+            assert row["extra"]["max_abs_logit_diff"] < bound, row
         if row["section"] == "decode":
             assert row["extra"]["tokens_identical"], row
 

@@ -59,6 +59,29 @@ def test_project_to_vocab_pads_rows_of_many_positions():
         assert project_to_vocab(torch.randn(8, 1, 32), head).is_contiguous()
 
 
+@pytest.mark.parametrize("shape", [(1, 32), (3, 1, 32), (16, 32), (2, 20, 32)])
+def test_project_to_vocab_under_bf16_autocast(shape):
+    """Inside CPU autocast to bfloat16 the logits are bfloat16, as autocast's `F.linear` gives. Decoding
+    steps (up to 16 rows) come from the float32 weight, rounded once (so within a bfloat16 step of the
+    float32 logits, closer than autocast's bfloat16 product); more rows from autocast's product itself."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 500, bias=False)
+    hidden = torch.randn(*shape, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = project_to_vocab(hidden, head)
+        autocast_logits = head(hidden)
+    assert got.dtype == torch.bfloat16 and got.shape == autocast_logits.shape
+    exact = F.linear(hidden, head.weight).detach()
+    if hidden.numel() // 32 <= 16:
+        torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-6)
+        assert (got.float() - exact).abs().max() < (autocast_logits.float() - exact).abs().max()
+        (got.float() * exact).sum().backward()  # gradients reach the float32 hidden states and weight
+        torch.testing.assert_close(hidden.grad, exact @ head.weight.detach(), rtol=1e-2, atol=1e-2)
+        assert head.weight.grad is not None and head.weight.grad.dtype == torch.float32
+    else:
+        torch.testing.assert_close(got, autocast_logits)
+
+
 def head_and_loss_pair(
     hidden: torch.Tensor,
     labels: torch.Tensor | None,
@@ -200,6 +223,30 @@ def test_bf16_autocast_training_matches_transformers_gpt2():
     assert grads.keys() == peer_grads.keys()
     for name, grad in grads.items():
         assert relative_error(grad, peer_grads[name]) < 0.02, name
+
+
+def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch):
+    """A left-padded prefill of 160 positions inside CPU autocast to bfloat16: attention in bands (in
+    bfloat16), the few-row head from float32 weights; logits agree with transformers' GPT-2 in the same
+    autocast to bfloat16's precision."""
+    banded = []
+    original = modeling_hfgpt.cpu_banded_attention
+    monkeypatch.setattr(
+        modeling_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].dtype) or original(*a, **k)
+    )
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(GPTConfig(**{**TINY, "n_positions": 256})).eval()
+    peer = to_transformers(ours).eval()
+    ids = torch.randint(0, 96, (2, 160))
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    for keep in (0, 1):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = ours(ids, attention_mask=mask, logits_to_keep=keep).logits
+            expected = peer(ids, attention_mask=mask, logits_to_keep=keep).logits
+        assert got.dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.02)
+    assert banded and set(banded) == {torch.bfloat16}
 
 
 def test_lm_loss_with_nothing_to_count_is_nan_like_transformers():
@@ -401,14 +448,16 @@ def test_masked_scale_reads_the_boolean_mask_as_zero_or_one():
 
 
 @pytest.mark.parametrize("length", [128, 130, 200, 512])
-def test_cpu_banded_attention_equals_causal_sdpa(length):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_banded_attention_equals_causal_sdpa(length, dtype):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, length, 16) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, length, 16).to(dtype) for _ in range(3))
     assert banded_attention_applies(q, k, None)
     got, weights = cpu_banded_attention(torch.nn.Module(), q, k, v, None, scaling=0.2)
-    assert weights is None and got.shape == (2, length, 3, 16)
+    assert weights is None and got.shape == (2, length, 3, 16) and got.dtype == dtype
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2).transpose(1, 2)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bfloat16: one rounding of the output
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("prefix", [0, 100])
@@ -438,7 +487,8 @@ def test_banded_attention_applies_only_to_plain_causal_inference():
     assert not banded_attention_applies(q[:, :, :1], q, None)  # a decoding step against cached keys
     assert not banded_attention_applies(q[:, :, :100], q[:, :, :100], None)  # too short to gain
     assert not banded_attention_applies(q.repeat(1, 1, 3, 1), q.repeat(1, 1, 3, 1), None)  # 768: no gain
-    assert not banded_attention_applies(q.bfloat16(), q.bfloat16(), None)
+    assert banded_attention_applies(q.bfloat16(), q.bfloat16(), None)  # a bf16 model, or autocast
+    assert not banded_attention_applies(q.half(), q.half(), None)
     assert not banded_attention_applies(q.requires_grad_(), q, None)  # autograd: sdpa's backward
 
 
