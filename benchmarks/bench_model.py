@@ -322,7 +322,6 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
         for precision, dtype in (("", None), (", bf16 autocast", torch.bfloat16)):
             with torch.inference_mode(), autocast_to(ids.device, dtype):
                 err = (ours(ids).logits.float() - peer(ids).logits.float()).abs().max().item()
-            peak_key = "bf16_matmul_flops_per_s" if dtype else "matmul_flops_per_s"
             for keep, label in ((0, "all logits"), (1, "last logits")):
                 fns = {
                     "hfgpt": lambda m=ours, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
@@ -330,27 +329,57 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
                 }
                 flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
                 timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
+                case = f"B={batch}x{seq_len}, {label}{precision}"
                 for impl, timing in timings.items():
                     rows.append(
-                        Row(
+                        utilisation_row(
+                            ctx,
                             "prefill",
                             family,
-                            f"B={batch}x{seq_len}, {label}{precision}",
+                            case,
                             impl,
-                            **timing.summary(),
-                            rate=batch * seq_len / timing.median,
-                            unit="tok/s",
-                            mfu=flops / timing.median / ctx.hardware[peak_key],
-                            extra={
-                                "max_abs_logit_diff": err,
-                                "flops": flops,
-                                "peak_key": peak_key,
-                                "concurrent_matmul_flops_per_s": concurrent,
-                                "mfu_concurrent": flops / timing.median / concurrent,
-                            },
+                            timing,
+                            batch * seq_len,
+                            flops,
+                            dtype,
+                            concurrent,
                         )
                     )
+                    rows[-1].extra["max_abs_logit_diff"] = err
     return rows
+
+
+def utilisation_row(
+    ctx: Context,
+    section: str,
+    family: str,
+    case: str,
+    impl: str,
+    timing: Timing,
+    tokens: int,
+    flops: float,
+    dtype: torch.dtype | None,
+    concurrent: float,
+) -> Row:
+    """A prefill or training row: tokens/s, and the MFU against the matmul rate of `dtype` (float32 for
+    None), the run's and the one timed between the model runs (`concurrent`)."""
+    peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
+    return Row(
+        section,
+        family,
+        case,
+        impl,
+        **timing.summary(),
+        rate=tokens / timing.median,
+        unit="tok/s",
+        mfu=flops / timing.median / ctx.hardware[peak_key],
+        extra={
+            "flops": flops,
+            "peak_key": peak_key,
+            "concurrent_matmul_flops_per_s": concurrent,
+            "mfu_concurrent": flops / timing.median / concurrent,
+        },
+    )
 
 
 def autocast_to(device: torch.device | str, dtype: torch.dtype | None) -> torch.autocast:
@@ -490,31 +519,18 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
     setups = [("fp32", None), ("bf16 autocast", torch.bfloat16)]
     rows = []
     for label, dtype in setups:
-        peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
         # Copies, so the optimizer steps do not change the weights the other sections use.
         a, b = copy.deepcopy(ours), copy.deepcopy(peer)
         fns = {"hfgpt": make_train_step(a, ids, dtype), "transformers": make_train_step(b, ids, dtype)}
         timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
+        case = f"B={batch}x{seq_len}, {label}, fused AdamW"
         for impl, timing in timings.items():
             rows.append(
-                Row(
-                    "train",
-                    family,
-                    f"B={batch}x{seq_len}, {label}, fused AdamW",
-                    impl,
-                    **timing.summary(),
-                    rate=batch * seq_len / timing.median,
-                    unit="tok/s",
-                    mfu=flops / timing.median / ctx.hardware[peak_key],
-                    extra={
-                        "s_per_step": timing.median,
-                        "flops": flops,
-                        "peak_key": peak_key,
-                        "concurrent_matmul_flops_per_s": concurrent,
-                        "mfu_concurrent": flops / timing.median / concurrent,
-                    },
+                utilisation_row(
+                    ctx, "train", family, case, impl, timing, batch * seq_len, flops, dtype, concurrent
                 )
             )
+            rows[-1].extra["s_per_step"] = timing.median
         del a, b
     return rows
 
