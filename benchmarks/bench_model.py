@@ -343,9 +343,9 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
                             flops,
                             dtype,
                             concurrent,
+                            max_abs_logit_diff=err,
                         )
                     )
-                    rows[-1].extra["max_abs_logit_diff"] = err
     return rows
 
 
@@ -360,9 +360,11 @@ def utilisation_row(
     flops: float,
     dtype: torch.dtype | None,
     concurrent: float,
+    **extra: Any,
 ) -> Row:
     """A prefill or training row: tokens/s, and the MFU against the matmul rate of `dtype` (float32 for
-    None), the run's and the one timed between the model runs (`concurrent`)."""
+    None), the run's and the one timed between the model runs (`concurrent`); `extra` adds the row's
+    own figures."""
     peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
     return Row(
         section,
@@ -374,6 +376,7 @@ def utilisation_row(
         unit="tok/s",
         mfu=flops / timing.median / ctx.hardware[peak_key],
         extra={
+            **extra,
             "flops": flops,
             "peak_key": peak_key,
             "concurrent_matmul_flops_per_s": concurrent,
@@ -527,10 +530,19 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
         for impl, timing in timings.items():
             rows.append(
                 utilisation_row(
-                    ctx, "train", family, case, impl, timing, batch * seq_len, flops, dtype, concurrent
+                    ctx,
+                    "train",
+                    family,
+                    case,
+                    impl,
+                    timing,
+                    batch * seq_len,
+                    flops,
+                    dtype,
+                    concurrent,
+                    s_per_step=timing.median,
                 )
             )
-            rows[-1].extra["s_per_step"] = timing.median
         del a, b
     return rows
 

@@ -559,7 +559,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype = torch.float32,  # of the products (and the logits)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
-        hidden, weight = hidden.to(dtype), weight.to(dtype)  # the same tensors in float32
+        hidden, weight = hidden.to(dtype), weight.to(dtype)  # no copies when dtype is float32
         logits = row_aligned_mm(hidden, weight)  # (N, V)
         lse = log_sum_exp(logits)
         picked = logits.gather(1, targets[:, None]).squeeze(1).float()
