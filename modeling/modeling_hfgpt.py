@@ -1,6 +1,6 @@
 """hfgpt models: OpenAI's GPT-1 and GPT-2 decoders as transformers `PreTrainedModel`s.
 
-Order: building blocks (activation, attention, MLP, block, sequence summary), the `PreTrainedModel`
+Order: building blocks (activation, linear layer, attention, MLP, block, sequence summary), the `PreTrainedModel`
 base, the base model, then the heads. Module names equal the keys of OpenAI's GPT-2 release and of
 transformers' `GPT2LMHeadModel` (`transformer.h.{i}.attn.c_attn`, ...), and linear weights keep their
 Conv1D layout `[in, out]`, so converting a checkpoint is a table, not a rename.
@@ -13,7 +13,8 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,61 @@ IN_PLACE: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
     F.relu: torch.relu_,
     F.silu: lambda x: F.silu(x, inplace=True),
 }
+
+
+_workspaces = threading.local()
+
+
+def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch tensor of `shape`, from one buffer per thread, dtype and device that grows to the
+    largest size asked for and is kept (GPT-2 124M: 6.3 MB of bfloat16, a block of `CAST_BLOCK_ROWS`
+    rows of the LM head). The next call on the same thread overwrites it: for values used at once.
+
+    On the CPU the first writes to freshly allocated memory are what a weight cast costs: GPT-1's
+    40478 x 768 head to bfloat16 took 22 ms here into a fresh tensor against 2.9 ms into an existing
+    one. A bfloat16-autocast prefill of GPT-1 (1 x 512) took 242-276 ms with its casts into a
+    workspace against 267-297 ms with autocast's fresh copies; the page faults per forward fell from
+    20,000-57,000 to the 10,000 of writing the logits."""
+    key = (dtype, device)
+    numel = math.prod(shape)
+    buffer = _workspaces.__dict__.get(key)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor, writable outside inference mode too
+            buffer = _workspaces.__dict__[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
+
+
+def inference_autocast_dtype(x: torch.Tensor, *params: torch.Tensor) -> torch.dtype | None:
+    """bfloat16 inside CPU autocast to bfloat16 where nothing needs a gradient and the parameters are
+    float32 (inference, evaluation), else None: then a product may cast its weight into `workspace`,
+    since autograd saves no cast for backward."""
+    if not (
+        x.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and all(p.dtype == torch.float32 for p in params)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)):
+        return None
+    return torch.bfloat16
+
+
+class GPTConv1D(Conv1D):
+    """transformers' `Conv1D` (`[in, out]` weight, the layout of both OpenAI releases; the same
+    parameters and values), whose weight, inside CPU bfloat16 autocast without gradients, is cast into
+    a reused `workspace` rather than into a fresh copy each call as autocast does. The values are
+    autocast's: the same cast, the same bfloat16 `addmm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = inference_autocast_dtype(x, self.weight, self.bias)
+        if dtype is None:
+            return super().forward(x)
+        weight = workspace(self.weight.shape, dtype, self.weight.device).copy_(self.weight)
+        with torch.autocast("cpu", enabled=False):
+            out = torch.addmm(self.bias.to(dtype), x.reshape(-1, x.shape[-1]).to(dtype), weight)
+        return out.view(*x.shape[:-1], self.nf)
 
 
 def eager_attention_forward(
@@ -283,8 +339,8 @@ class GPTAttention(nn.Module):
         self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scaling /= float(layer_idx + 1)
-        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
-        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.c_attn = GPTConv1D(3 * config.n_embd, config.n_embd)
+        self.c_proj = GPTConv1D(config.n_embd, config.n_embd)
         self.attn_dropout = config.attn_pdrop
         self.resid_dropout = GPTDropout(config.resid_pdrop)
 
@@ -332,8 +388,8 @@ class GPTAttention(nn.Module):
 class GPTMLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = Conv1D(config.inner_size, config.n_embd)
-        self.c_proj = Conv1D(config.n_embd, config.inner_size)
+        self.c_fc = GPTConv1D(config.inner_size, config.n_embd)
+        self.c_proj = GPTConv1D(config.n_embd, config.inner_size)
         self.act = ACTIVATIONS[config.activation_function]
         self.dropout = GPTDropout(config.resid_pdrop)
 
@@ -409,16 +465,43 @@ class GPTSequenceSummary(nn.Module):
         return self.activation(self.summary(self.first_dropout(output)))
 
 
+# Rows of a float32 weight cast at a time when `row_aligned_mm` multiplies it in a lower precision.
+CAST_BLOCK_ROWS = 4096
+
+
+def weight_blocks(
+    weight: torch.Tensor, dtype: torch.dtype, rows: int
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, `weight[start:stop]` in `dtype`) for blocks of `rows` rows of `weight`: views where
+    `weight` has `dtype`, else casts into a `workspace` (the next block overwrites it), rather than one
+    fresh whole-weight copy as autocast makes (GPT-1's head, 512 rows: 55 vs 75 ms)."""
+    for start in range(0, len(weight), rows):
+        stop = min(start + rows, len(weight))
+        if weight.dtype == dtype:
+            yield start, stop, weight[start:stop]
+        else:
+            block = workspace((stop - start, weight.shape[1]), dtype, weight.device)
+            yield start, stop, block.copy_(weight[start:stop])
+
+
 def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`hidden @ weight.T` written into rows padded to a multiple of 64 floats; returns the unpadded view.
+    """`hidden @ weight.T` in `hidden`'s dtype, written into rows padded to a multiple of 64 elements;
+    returns the unpadded view.
 
     MKL's float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a
     256-byte boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
     view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
+    A float32 `weight` with bfloat16 `hidden` is multiplied a block of `weight_blocks` at a time, with the
+    values of autocast's `F.linear`.
     """
     vocab = weight.shape[0]
     buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
-    return torch.mm(hidden, weight.T, out=buffer[:, :vocab])
+    logits = buffer[:, :vocab]
+    if weight.dtype == hidden.dtype:
+        return torch.mm(hidden, weight.T, out=logits)
+    for start, stop, block in weight_blocks(weight, hidden.dtype, CAST_BLOCK_ROWS):
+        torch.mm(hidden, block.T, out=logits[:, start:stop])
+    return logits
 
 
 class _RowAlignedLinear(torch.autograd.Function):
@@ -487,16 +570,20 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
       the logits then rounded to bfloat16 (autocast's dtype): autocast would first cast the whole head
       to bfloat16 and, for a (B, 1, E) input, multiply through a batched copy of it (GPT-2, one row:
       4 ms against 123 ms here).
-    - More rows (prefill): `row_aligned_mm` in float32; under autocast, `head(...)` in bfloat16.
+    - More rows (prefill): `row_aligned_mm`, in float32, or under autocast in bfloat16 from the float32
+      weight a block at a time; under autocast with gradients, `head(...)`.
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
     """
     dtype = head_product_dtype(hidden_states, head)
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    if dtype is None or (dtype != torch.float32 and rows > FEW_ROWS):
+    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or head.weight.requires_grad)
+    if dtype is None or (dtype != torch.float32 and rows > FEW_ROWS and needs_grad):
         return head(hidden_states)
     flat = hidden_states.reshape(rows, -1)
-    if rows > FEW_ROWS:
+    if rows > FEW_ROWS and dtype == torch.float32:
         return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
+    if rows > FEW_ROWS:
+        return row_aligned_mm(flat.to(dtype), head.weight).view(*hidden_states.shape[:-1], -1)
     with torch.autocast("cpu", enabled=False):
         logits = few_rows_product(flat, head.weight).to(dtype)
     return logits.view(*hidden_states.shape[:-1], -1)
@@ -545,7 +632,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     The products run in `dtype` (`vocab_product_dtype`): float32, or bfloat16 under CPU autocast, as
     autocast would run `F.linear` — bfloat16 logits, the softmax, loss and gradient sums in float32, and
-    float32 gradients for the float32 inputs.
+    float32 gradients for the float32 inputs. The weight is cast a block at a time (`weight_blocks`), so
+    no whole low-precision copy of the head is made or saved.
     """
 
     @staticmethod
@@ -559,8 +647,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype = torch.float32,  # of the products (and the logits)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
-        hidden, weight = hidden.to(dtype), weight.to(dtype)  # no copies when dtype is float32
-        logits = row_aligned_mm(hidden, weight)  # (N, V)
+        hidden = hidden.to(dtype)  # no copy when dtype is float32
+        logits = row_aligned_mm(hidden, weight)  # (N, V); a float32 weight cast a block at a time
         lse = log_sum_exp(logits)
         picked = logits.gather(1, targets[:, None]).squeeze(1).float()
         ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor)
@@ -573,16 +661,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
         rows, vocab = logits.shape
         scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
-        float32 = weight.dtype == torch.float32
+        float32 = hidden.dtype == torch.float32
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         grad_weight = weight.new_empty(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
+        if not float32:  # each slice's weight is cast into the workspace, which keeps its largest size
+            width = min(width, CAST_BLOCK_ROWS)
         row_ids = torch.arange(rows, device=logits.device)
         # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
         buffer = logits.new_empty(rows * width, dtype=torch.float32)
         low = buffer if float32 else logits.new_empty(rows * width)
-        for start in range(0, vocab, width):
-            stop = min(start + width, vocab)
+        for start, stop, weight_slice in weight_blocks(weight, hidden.dtype, width):  # in the products' dtype
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
             subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
             hit = (targets >= start) & (targets < stop)
@@ -592,9 +681,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             product = grad if float32 else low[: grad.numel()].view(grad.shape).copy_(grad)
             if grad_hidden is not None:
                 if float32:
-                    grad_hidden.addmm_(product, weight[start:stop])
+                    grad_hidden.addmm_(product, weight_slice)
                 else:  # addmm_ takes one dtype: the slices' sum stays float32
-                    grad_hidden += product @ weight[start:stop]
+                    grad_hidden += product @ weight_slice
             if grad_weight is not None:
                 if float32:
                     torch.mm(product.T, hidden, out=grad_weight[start:stop])

@@ -1,17 +1,21 @@
 """The CPU speed-ups in modeling_hfgpt.py compute what the plain PyTorch / transformers code computes:
 the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`, `log_sum_exp`),
 dropout (`dropout`, `GPTDropout`, `masked_scale`), training attention with dropout
-(`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`) and the in-place MLP
-activation."""
+(`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`), the in-place MLP
+activation and weight casts into a `workspace` under autocast (`GPTConv1D`, `weight_blocks`)."""
+
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.pytorch_utils import Conv1D
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 from hfgpt.modeling.interop import to_transformers
 from hfgpt.modeling.modeling_hfgpt import (
+    GPTConv1D,
     banded_attention_applies,
     cpu_banded_attention,
     cpu_dropout_attention,
@@ -22,6 +26,7 @@ from hfgpt.modeling.modeling_hfgpt import (
     masked_scale,
     project_to_vocab,
     weighted_lm_loss,
+    workspace,
 )
 
 TINY = dict(
@@ -80,6 +85,100 @@ def test_project_to_vocab_under_bf16_autocast(shape):
         assert head.weight.grad is not None and head.weight.grad.dtype == torch.float32
     else:
         torch.testing.assert_close(got, autocast_logits)
+
+
+@pytest.mark.parametrize("block_rows", [128, 4096])
+def test_project_to_vocab_without_gradients_under_bf16_autocast_casts_the_head_in_blocks(
+    block_rows, monkeypatch
+):
+    """A prefill inside CPU autocast without gradients casts the float32 head to bfloat16 a block of
+    rows at a time into one reused buffer, rather than as a whole fresh copy every forward: the logits
+    are still exactly autocast's `F.linear`, also across block edges (500 rows in blocks of 128)."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(modeling_hfgpt, "CAST_BLOCK_ROWS", block_rows)
+    blocks, weight_blocks = [], modeling_hfgpt.weight_blocks
+
+    def recording_blocks(weight, dtype, rows):
+        for start, stop, block in weight_blocks(weight, dtype, rows):
+            blocks.append((stop - start, block.dtype))
+            yield start, stop, block
+
+    monkeypatch.setattr(modeling_hfgpt, "weight_blocks", recording_blocks)
+    head = torch.nn.Linear(32, 500, bias=False)
+    hidden = torch.randn(2, 20, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = project_to_vocab(hidden, head)
+        expected = head(hidden)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+    assert blocks == [(min(block_rows, 500 - start), torch.bfloat16) for start in range(0, 500, block_rows)]
+
+
+def conv1d_pair(seed: int = 0) -> tuple[GPTConv1D, Conv1D]:
+    torch.manual_seed(seed)
+    theirs = Conv1D(48, 32)
+    torch.nn.init.normal_(theirs.bias)
+    ours = GPTConv1D(48, 32)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32), (8, 1, 32), (2, 20, 32)])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_conv1d_without_gradients_under_bf16_autocast_casts_into_the_workspace(shape, mode):
+    """Inference inside CPU autocast: the weight is cast into this thread's reused workspace (not a
+    fresh copy every call), with exactly the values of transformers' Conv1D in autocast."""
+    ours, theirs = conv1d_pair()
+    x = torch.randn(shape)
+    workspace(ours.weight.shape, torch.bfloat16, x.device).zero_()
+    with mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = ours(x), theirs(x)
+        scratch = workspace(ours.weight.shape, torch.bfloat16, x.device)
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert torch.equal(got, expected)
+    assert torch.equal(scratch, ours.weight.to(torch.bfloat16))  # the cast that was multiplied
+    # The workspace made inside inference mode is a normal tensor: usable outside it too.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ours(x), expected)
+
+
+def test_workspace_is_reused_on_a_thread_and_separate_between_threads():
+    first = workspace((4, 8), torch.bfloat16, torch.device("cpu"))
+    smaller = workspace((2, 3), torch.bfloat16, torch.device("cpu"))
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (2, 3)
+    assert workspace((4, 8), torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr()
+    other = []
+    thread = threading.Thread(
+        target=lambda: other.append(workspace((4, 8), torch.bfloat16, torch.device("cpu")))
+    )
+    thread.start()
+    thread.join()
+    assert other[0].data_ptr() != first.data_ptr()
+
+
+@pytest.mark.parametrize("needs_grad", ["input", "weight"])
+def test_conv1d_with_gradients_under_bf16_autocast_is_autocasts_conv1d(needs_grad):
+    """Where autograd saves the cast weight for backward, the layer leaves the cast to autocast (a reused
+    workspace would be overwritten before backward): same values and gradients as Conv1D."""
+    ours, theirs = conv1d_pair()
+    x = torch.randn(2, 20, 32, requires_grad=needs_grad == "input")
+    if needs_grad == "input":
+        for layer in (ours, theirs):
+            layer.requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = ours(x), theirs(x)
+        with torch.no_grad():
+            GPTConv1D(48, 32)(x)  # overwrites the workspace, were ours using it
+    assert torch.equal(got, expected)
+    upstream = torch.randn(got.shape)
+    wrt = (x,) if needs_grad == "input" else (ours.weight, ours.bias)
+    wrt_theirs = (x,) if needs_grad == "input" else (theirs.weight, theirs.bias)
+    for g, e in zip(
+        torch.autograd.grad((got.float() * upstream).sum(), wrt),
+        torch.autograd.grad((expected.float() * upstream).sum(), wrt_theirs),
+        strict=True,
+    ):
+        assert torch.equal(g, e)
 
 
 def head_and_loss_pair(
