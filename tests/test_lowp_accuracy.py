@@ -1,0 +1,74 @@
+"""Smoke run of benchmarks/lowp_accuracy.py at tiny size: a model is trained, saved, and its
+lower-precision copies compared with it; the saved model, evaluated again through `--model`, gives the
+same reference figures; bad input names what is at fault."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "lowp_accuracy.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("lowp_accuracy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("lowp_accuracy", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowp")
+    args = ["--tiny", "--steps", "40", "--save", str(out / "model"), "--json", str(out / "trained.json")]
+    assert script.main(args) == 0
+    return out, json.loads((out / "trained.json").read_text())
+
+
+def test_training_lowers_the_loss_and_every_copy_is_compared(trained):
+    _, report = trained
+    assert report["training"]["last_loss"] < report["training"]["first_loss"] - 0.5
+    figures = report["figures"]
+    assert set(figures) == {"float32", "float32 copy", "bfloat16", "int8 weights"}
+    for name, f in figures.items():
+        assert math.isfinite(f["loss"]) and f["perplexity"] == pytest.approx(math.exp(f["loss"]))
+        if name != "float32":
+            assert 0.0 <= f["top1_agreement"] <= 1.0 and 0.0 <= f["greedy_token_agreement"] <= 1.0
+            assert 0.0 <= f["greedy_mean_first_divergence"] <= report["greedy"]["new_tokens"]
+
+
+def test_float32_copy_changes_nothing_and_low_precision_changes_something(trained):
+    figures = trained[1]["figures"]
+    same = figures["float32 copy"]
+    assert same["rel_logit_err"] < 1e-5 and same["top1_agreement"] == 1.0
+    assert same["greedy_prompts_identical"] == 1.0 and same["loss"] == pytest.approx(
+        figures["float32"]["loss"]
+    )
+    for name in ("bfloat16", "int8 weights"):
+        assert 0.0 < figures[name]["rel_logit_err"] < 0.5
+
+
+def test_a_saved_model_evaluated_through_model_gives_the_same_reference(script, trained, capsys):
+    out, report = trained
+    assert script.main(["--tiny", "--model", str(out / "model"), "--json", str(out / "again.json")]) == 0
+    again = json.loads((out / "again.json").read_text())
+    assert again["training"] is None and again["model"] == str(out / "model")
+    assert again["figures"]["float32"]["loss"] == pytest.approx(
+        report["figures"]["float32"]["loss"], rel=1e-5
+    )
+    assert "| int8 weights |" in capsys.readouterr().out
+
+
+def test_bad_input_names_the_path(script, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="cannot load --model .*nowhere"):
+        script.main(["--tiny", "--model", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="cannot read --text file .*missing.txt"):
+        script.main(["--tiny", "--text", str(tmp_path / "missing.txt")])
+    with pytest.raises(SystemExit):
+        script.main(["--tiny", "--save", str(tmp_path)])  # exists: nothing is overwritten
+    assert f"--save {tmp_path} exists already" in capsys.readouterr().err
