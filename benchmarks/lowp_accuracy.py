@@ -14,7 +14,7 @@ float32 weights) on a local English corpus: the docstrings of the installed tran
 file in ten held out. That is a briefly trained model, not OpenAI's: it has learned the common tokens,
 not the large activation outliers of the real GPT-2, which are what int8 weights are most sensitive
 to. With `--model` (any checkpoint `GPTForCausalLM.from_pretrained` reads, e.g. one written by
-`hfgpt-convert-gpt2`) the same figures come from the real weights.
+`hfgpt-convert`) the same figures come from the real weights.
 """
 
 from __future__ import annotations
