@@ -925,6 +925,14 @@ def _concurrent(ours: dict, peer: dict) -> str:
     )
 
 
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """`report` as JSON at `path`, written next to it first and moved into place once complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -952,10 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(profile, args.device, families, sections, args.repeats, args.threads)
     print(format_table(report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(args.json)
+        write_json(args.json, report)
     return 0
 
 

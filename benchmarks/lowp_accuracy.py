@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import math
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from bench_model import write_json  # the sibling script (python benchmarks/lowp_accuracy.py)
 from transformers import AutoTokenizer
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
@@ -279,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print(format_report(report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(args.json)
+        write_json(args.json, report)
     return 0
 
 

@@ -4,29 +4,16 @@ implementations agree (logits, greedy tokens), and the outputs (table, JSON) are
 Speed itself is never asserted here: figures come from the benchmark, not from timed unit tests.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
+import bench_model  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_model.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_model", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is being built.
-    sys.modules.setdefault("bench_model", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench()
+    return bench_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Converting OpenAI's releases reproduces OpenAI's own outputs; bad input fails cleanly."""
 
-import importlib.util
 import json
 import re
 import shutil
@@ -485,9 +484,8 @@ def test_hfgpt_modeling_import_is_enough_for_auto_classes():
 
 
 def test_benchmark_smoke_at_tiny_size():
-    spec = importlib.util.spec_from_file_location("bench_convert", ROOT / "benchmarks" / "bench_convert.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import bench_convert as bench  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
+
     # "tiny" has the fixture's shapes, so its release is exactly as large as the one TensorFlow wrote.
     assert bench.release_shapes(bench.SIZES["tiny"]) == {
         name: entry.shape for name, entry in TensorBundleReader(GPT2 / "model.ckpt").entries.items()

@@ -2,31 +2,18 @@
 lower-precision copies compared with it; the saved model, evaluated again through `--model`, gives the
 same reference figures; bad input names what is at fault."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
+import lowp_accuracy  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "lowp_accuracy.py"
-
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("lowp_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("lowp_accuracy", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def trained(script, tmp_path_factory):
+def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("lowp")
     args = ["--tiny", "--steps", "40", "--save", str(out / "model"), "--json", str(out / "trained.json")]
-    assert script.main(args) == 0
+    assert lowp_accuracy.main(args) == 0
     return out, json.loads((out / "trained.json").read_text())
 
 
@@ -53,9 +40,11 @@ def test_float32_copy_changes_nothing_and_low_precision_changes_something(traine
         assert 0.0 < figures[name]["rel_logit_err"] < 0.5
 
 
-def test_a_saved_model_evaluated_through_model_gives_the_same_reference(script, trained, capsys):
+def test_a_saved_model_evaluated_through_model_gives_the_same_reference(trained, capsys):
     out, report = trained
-    assert script.main(["--tiny", "--model", str(out / "model"), "--json", str(out / "again.json")]) == 0
+    assert (
+        lowp_accuracy.main(["--tiny", "--model", str(out / "model"), "--json", str(out / "again.json")]) == 0
+    )
     again = json.loads((out / "again.json").read_text())
     assert again["training"] is None and again["model"] == str(out / "model")
     assert again["figures"]["float32"]["loss"] == pytest.approx(
@@ -64,11 +53,11 @@ def test_a_saved_model_evaluated_through_model_gives_the_same_reference(script, 
     assert "| int8 weights |" in capsys.readouterr().out
 
 
-def test_bad_input_names_the_path(script, tmp_path, capsys):
+def test_bad_input_names_the_path(tmp_path, capsys):
     with pytest.raises(SystemExit, match="cannot load --model .*nowhere"):
-        script.main(["--tiny", "--model", str(tmp_path / "nowhere")])
+        lowp_accuracy.main(["--tiny", "--model", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit, match="cannot read --text file .*missing.txt"):
-        script.main(["--tiny", "--text", str(tmp_path / "missing.txt")])
+        lowp_accuracy.main(["--tiny", "--text", str(tmp_path / "missing.txt")])
     with pytest.raises(SystemExit):
-        script.main(["--tiny", "--save", str(tmp_path)])  # exists: nothing is overwritten
+        lowp_accuracy.main(["--tiny", "--save", str(tmp_path)])  # exists: nothing is overwritten
     assert f"--save {tmp_path} exists already" in capsys.readouterr().err

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import bench_tokenizer  # noqa: E402
+import bench_tokenizer  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_benchmark_runs_and_writes_json(tmp_path: Path, capsys) -> None:
