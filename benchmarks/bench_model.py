@@ -328,61 +328,51 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
                     "transformers": lambda m=peer, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
                 }
                 flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
-                timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
                 case = f"B={batch}x{seq_len}, {label}{precision}"
-                for impl, timing in timings.items():
-                    rows.append(
-                        utilisation_row(
-                            ctx,
-                            "prefill",
-                            family,
-                            case,
-                            impl,
-                            timing,
-                            batch * seq_len,
-                            flops,
-                            dtype,
-                            concurrent,
-                            max_abs_logit_diff=err,
-                        )
-                    )
+                rows += utilisation_rows(
+                    ctx, "prefill", family, case, fns, batch * seq_len, flops, dtype, max_abs_logit_diff=err
+                )
     return rows
 
 
-def utilisation_row(
+def utilisation_rows(
     ctx: Context,
     section: str,
     family: str,
     case: str,
-    impl: str,
-    timing: Timing,
+    fns: dict[str, Callable[[], Any]],
     tokens: int,
     flops: float,
     dtype: torch.dtype | None,
-    concurrent: float,
+    step_time: bool = False,
     **extra: Any,
-) -> Row:
-    """A prefill or training row: tokens/s, and the MFU against the matmul rate of `dtype` (float32 for
-    None), the run's and the one timed between the model runs (`concurrent`); `extra` adds the row's
-    own figures."""
+) -> list[Row]:
+    """Times `fns` (`with_probes`) and gives one prefill or training row per implementation: tokens/s,
+    and the MFU against the matmul rate of `dtype` (float32 for None), the run's and the one timed
+    between the model runs; `extra` adds the rows' own figures, `step_time` each row's s/step."""
+    timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
     peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
-    return Row(
-        section,
-        family,
-        case,
-        impl,
-        **timing.summary(),
-        rate=tokens / timing.median,
-        unit="tok/s",
-        mfu=flops / timing.median / ctx.hardware[peak_key],
-        extra={
-            **extra,
-            "flops": flops,
-            "peak_key": peak_key,
-            "concurrent_matmul_flops_per_s": concurrent,
-            "mfu_concurrent": flops / timing.median / concurrent,
-        },
-    )
+    return [
+        Row(
+            section,
+            family,
+            case,
+            impl,
+            **timing.summary(),
+            rate=tokens / timing.median,
+            unit="tok/s",
+            mfu=flops / timing.median / ctx.hardware[peak_key],
+            extra={
+                **extra,
+                **({"s_per_step": timing.median} if step_time else {}),
+                "flops": flops,
+                "peak_key": peak_key,
+                "concurrent_matmul_flops_per_s": concurrent,
+                "mfu_concurrent": flops / timing.median / concurrent,
+            },
+        )
+        for impl, timing in timings.items()
+    ]
 
 
 def autocast_to(device: torch.device | str, dtype: torch.dtype | None) -> torch.autocast:
@@ -525,24 +515,10 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
         # Copies, so the optimizer steps do not change the weights the other sections use.
         a, b = copy.deepcopy(ours), copy.deepcopy(peer)
         fns = {"hfgpt": make_train_step(a, ids, dtype), "transformers": make_train_step(b, ids, dtype)}
-        timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
         case = f"B={batch}x{seq_len}, {label}, fused AdamW"
-        for impl, timing in timings.items():
-            rows.append(
-                utilisation_row(
-                    ctx,
-                    "train",
-                    family,
-                    case,
-                    impl,
-                    timing,
-                    batch * seq_len,
-                    flops,
-                    dtype,
-                    concurrent,
-                    s_per_step=timing.median,
-                )
-            )
+        rows += utilisation_rows(
+            ctx, "train", family, case, fns, batch * seq_len, flops, dtype, step_time=True
+        )
         del a, b
     return rows
 
