@@ -576,9 +576,14 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
     """
     dtype = head_product_dtype(hidden_states, head)
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or head.weight.requires_grad)
-    if dtype is None or (dtype != torch.float32 and rows > FEW_ROWS and needs_grad):
+    if dtype is None:
         return head(hidden_states)
+    if (
+        dtype != torch.float32
+        and rows > FEW_ROWS
+        and inference_autocast_dtype(hidden_states, head.weight) is None
+    ):
+        return head(hidden_states)  # autograd saves autocast's cast of the head for backward
     flat = hidden_states.reshape(rows, -1)
     if rows > FEW_ROWS and dtype == torch.float32:
         return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
