@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling import (
+    GPTConfig,
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForSequenceClassification,
+    modeling_hfgpt,
+)
 from hfgpt.modeling.interop import to_transformers
 from hfgpt.modeling.modeling_hfgpt import (
     GPTConv1D,
@@ -626,3 +632,148 @@ def test_a_forward_hook_on_c_fc_keeps_its_output():
         model(torch.randint(0, 96, (1, 12)))
         torch.testing.assert_close(outputs[0], mlp.c_fc(inputs[0]))
     assert outputs[0].min() < -0.2  # pre-activations: below the tanh GELU's minimum (-0.17)
+
+
+def no_drop_config(layer_norm_position: str = "pre") -> GPTConfig:
+    return GPTConfig(
+        **TINY, layer_norm_position=layer_norm_position, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+
+
+def parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    renames = {"transformer.": "", "tokens_embed": "wte", "positions_embed": "wpe"}
+    grads = {}
+    for name, param in model.named_parameters():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        grads[name] = param.grad
+    return grads
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_tied_head_and_embedding_gradients_meet_in_place_and_equal_transformers(
+    layer_norm_position, monkeypatch
+):
+    """A float32 training step with labels hands the LM head's weight gradient to the token embedding's
+    backward (`TiedHeadGradient`), which adds its rows into it: the gradients, the tied one included, are
+    transformers' GPT2LMHeadModel / OpenAIGPTLMHeadModel's on the same weights."""
+    handed = []
+    hand_over = modeling_hfgpt.TiedHeadGradient.hand_over
+    monkeypatch.setattr(
+        modeling_hfgpt.TiedHeadGradient,
+        "hand_over",
+        lambda self, grad: handed.append(grad.data_ptr()) or hand_over(self, grad),
+    )
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(no_drop_config(layer_norm_position))
+    peer = to_transformers(ours)
+    ids = torch.randint(0, 96, (3, 24))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    for model in (ours, peer):
+        model(ids, labels=labels).loss.backward()
+    # One hand-over, and the gradient stored is that very tensor: the sum was made in place.
+    assert handed == [ours.transformer.wte.weight.grad.data_ptr()]
+    grads, peer_grads = parameter_grads(ours), parameter_grads(peer)
+    assert grads.keys() == peer_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, peer_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_tied_gradients_of_two_forwards_in_one_backward_add_up():
+    torch.manual_seed(0)
+    model = GPTForCausalLM(no_drop_config())
+    first, second = torch.randint(0, 96, (2, 20)), torch.randint(0, 96, (1, 30))
+    (model(first, labels=first).loss + 2.0 * model(second, labels=second).loss).backward()
+    together = model.transformer.wte.weight.grad
+    model.zero_grad()
+    # inputs_embeds: the plain embedding, whose gradient autograd sums with the head's
+    for ids, factor in ((first, 1.0), (second, 2.0)):
+        (factor * model(inputs_embeds=model.transformer.wte(ids), labels=ids).loss).backward()
+    torch.testing.assert_close(together, model.transformer.wte.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_tied_head_gradient_is_taken_only_in_the_backward_that_handed_it_over():
+    """A gradient handed over outside the embedding's backward pass (here: before it, with no backward
+    running) is not added in; one handed over within the same pass is, in place."""
+    weight = torch.zeros(10, 4, requires_grad=True)
+    ids = torch.tensor([[1, 3, 1]])
+    tied = modeling_hfgpt.TiedHeadGradient()
+    stale = torch.full((10, 4), 100.0)
+    tied.hand_over(stale)
+    modeling_hfgpt._TiedEmbedding.apply(ids, weight, tied).sum().backward()
+    expected = torch.zeros(10, 4)
+    expected[1], expected[3] = 2.0, 1.0
+    torch.testing.assert_close(weight.grad, expected)
+
+    class HandOver(torch.autograd.Function):  # stands in for the head: hands a gradient over in backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            tied.hand_over(torch.ones(10, 4))
+            return grad
+
+    weight.grad = None
+    HandOver.apply(modeling_hfgpt._TiedEmbedding.apply(ids, weight, tied)).sum().backward()
+    torch.testing.assert_close(weight.grad, expected + 1.0)
+
+
+def tied_head_cases():
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    choices = ids.view(1, 2, 16)
+    return {
+        "causal-lm": (GPTForCausalLM, {}, {"input_ids": ids, "labels": ids}),
+        "classification, L2 + lambda L1": (
+            GPTForSequenceClassification,
+            {"num_labels": 3, "lm_loss_weight": 0.5, "pad_token_id": 0},
+            {"input_ids": ids, "labels": torch.tensor([0, 2])},
+        ),
+        "multiple choice, L2 + lambda L1": (
+            GPTDoubleHeadsModel,
+            {"lm_loss_weight": 0.5, "pad_token_id": 0},
+            {"input_ids": choices, "mc_labels": torch.tensor([1])},
+        ),
+        "multiple choice, LM labels": (
+            GPTDoubleHeadsModel,
+            {"pad_token_id": 0},
+            {"input_ids": choices, "labels": choices, "mc_labels": torch.tensor([1])},
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(tied_head_cases()))
+def test_every_tied_lm_loss_hands_over_and_a_hooked_embedding_is_called_as_usual(case, monkeypatch):
+    """Each head whose loss has an LM term takes the tied-gradient path; a forward hook on the token
+    embeddings (Trainer's NEFTune adds noise through one) makes it step aside, so the hook is called.
+    Both give the same gradients."""
+    cls, overrides, inputs = tied_head_cases()[case]
+    handed = []
+    hand_over = modeling_hfgpt.TiedHeadGradient.hand_over
+    monkeypatch.setattr(
+        modeling_hfgpt.TiedHeadGradient,
+        "hand_over",
+        lambda self, grad: handed.append(1) or hand_over(self, grad),
+    )
+    torch.manual_seed(0)
+    no_drops = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    model = cls(GPTConfig(**{**TINY, **overrides}, **no_drops))
+    model(**inputs).loss.backward()
+    assert handed == [1]
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    calls = []
+    model.transformer.wte.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    model(**inputs).loss.backward()
+    assert handed == [1] and calls == [(2, 16, 32)]  # (sequences, positions, width)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_training_forward_names_token_ids_outside_the_vocabulary():
+    model = GPTForCausalLM(no_drop_config()).train()
+    ids = torch.tensor([[1, 2, 96]])
+    with pytest.raises(ValueError, match=r"token id 96, outside the vocabulary \[0, 96\)"):
+        model(ids, labels=ids)
