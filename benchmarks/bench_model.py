@@ -48,6 +48,7 @@ from transformers import (
 from transformers import logging as hf_logging
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.cpu_runtime import keep_freed_memory
 from hfgpt.modeling.interop import to_transformers, to_transformers_config
 from hfgpt.modeling.quantization import quantize_for_decoding
 
@@ -579,6 +580,8 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     device, family, profile = spec["device"], spec["family"], PROFILES[spec["profile"]]
     import gc
 
+    if spec.get("keep_freed"):
+        keep_freed_memory()
     rss_after_imports = _reset_peak_rss()
     config = our_config(family, profile["model_overrides"])
     torch.manual_seed(0)
@@ -646,7 +649,14 @@ def memory_rows(ctx: Context, family: str) -> list[Row]:
     rows = []
     for task, label in tasks.items():
         for impl in ("hfgpt", "transformers"):
-            spec = dict(device=ctx.device, family=family, profile=ctx.profile_name, impl=impl, task=task)
+            spec = dict(
+                device=ctx.device,
+                family=family,
+                profile=ctx.profile_name,
+                impl=impl,
+                task=task,
+                keep_freed=ctx.keep_freed,
+            )
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", json.dumps(spec)],
                 capture_output=True,
@@ -689,6 +699,7 @@ class Context:
     decode_repeats: int
     hardware: dict[str, float]
     tiny: bool
+    keep_freed: bool = False
 
 
 def run(
@@ -698,9 +709,14 @@ def run(
     sections: tuple[str, ...] = SECTIONS,
     repeats: int | None = None,
     threads: int | None = None,
+    keep_freed: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark and return its figures (what `--json` writes)."""
+    """Run the benchmark and return its figures (what `--json` writes). `keep_freed` applies
+    `keep_freed_memory()` (the training command lines' default) to this process and the memory workers:
+    it acts on both contenders alike."""
     hf_logging.set_verbosity_error()
+    if keep_freed and not keep_freed_memory():
+        raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if threads:
         torch.set_num_threads(threads)
@@ -717,6 +733,7 @@ def run(
         decode_repeats=repeats or profile["decode_repeats"],
         hardware=hardware,
         tiny=tiny,
+        keep_freed=keep_freed,
     )
     rows: list[Row] = []
     timing_sections = [s for s in sections if s != "memory"]
@@ -744,7 +761,7 @@ def run(
         hardware[key] = max(hardware[key], value)
     _rescale(rows, hardware)
     return {
-        "machine": machine_info(device),
+        "machine": {**machine_info(device), "keep_freed_memory": keep_freed},
         "profile": profile_name,
         "hardware": hardware,
         "rows": [asdict(r) for r in rows],
@@ -795,7 +812,12 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`.",
+        + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`"
+        + (
+            "; freed memory kept in the process (`--keep-freed-memory`)."
+            if m.get("keep_freed_memory")
+            else "."
+        ),
         f"Measured fp32 matmul rate: {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; memory read rate: "
         f"{hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
         + (
@@ -920,6 +942,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
     parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default per profile)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="apply hfgpt.modeling.cpu_runtime.keep_freed_memory() first, as hfgpt-train does (glibc)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one memory measurement
     args = parser.parse_args(argv)
     if args.worker:
@@ -933,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}", file=sys.stderr)
             return 2
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
-    report = run(profile, args.device, families, sections, args.repeats, args.threads)
+    report = run(profile, args.device, families, sections, args.repeats, args.threads, args.keep_freed_memory)
     print(format_table(report))
     if args.json:
         write_json(args.json, report)

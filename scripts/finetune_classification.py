@@ -51,8 +51,10 @@ from hfgpt.modeling.finetune import (
     transform_example,
 )
 from hfgpt.scripts.train_lm import (
+    KEEP_FREED_MEMORY_FIELD,
     _check_file,
     _parse_overrides,
+    keep_freed_memory_on_cpu,
     load_tokenizer,
     push_checkpoint,
     save_complete_checkpoint,
@@ -103,6 +105,7 @@ class FinetuneArguments:
     validation_split_name: str = field(
         default="validation", metadata={"help": "The Hub dataset's eval split."}
     )
+    keep_freed_memory: bool = field(**KEEP_FREED_MEMORY_FIELD)
 
 
 # The paper's fine-tuning hyper-parameters (§4.1 "Fine-tuning details"; train.py's argparse defaults), plus
@@ -352,6 +355,7 @@ def make_parser() -> HfArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args, training_args = make_parser().parse_args_into_dataclasses(args=argv)
     transformers.utils.logging.set_verbosity_warning()
+    keep_freed_memory_on_cpu(args.keep_freed_memory, training_args)
     try:
         metrics = finetune(args, training_args)
     except TrainingInputError as err:  # FinetuneInputError included

@@ -39,7 +39,24 @@ from transformers import (
 
 import hfgpt.modeling  # noqa: F401  (registers hfgpt with the Auto classes)
 from hfgpt.modeling import PRESETS, GPTConfig, GPTForCausalLM
+from hfgpt.modeling.cpu_runtime import keep_freed_memory
 from hfgpt.modeling.finetune import TrainingInputError
+
+# `--keep_freed_memory`, a flag of both training command lines (this one and hfgpt-finetune).
+KEEP_FREED_MEMORY_FIELD: dict[str, Any] = {
+    "default": True,
+    "metadata": {
+        "help": "On the CPU with glibc (Linux): keep freed memory in the process for reuse, instead of "
+        "mapping the large buffers of every step afresh (GPT-2 124M float32 steps ~8% faster here); "
+        "false leaves the allocator alone."
+    },
+}
+
+
+def keep_freed_memory_on_cpu(enabled: bool, training_args: TrainingArguments) -> None:
+    """Apply `keep_freed_memory()` (process-wide) when asked to and training runs on the CPU."""
+    if enabled and training_args.device.type == "cpu":
+        keep_freed_memory()
 
 
 @dataclass
@@ -66,6 +83,7 @@ class ModelArguments:
             "to the checkpoint's own tokenizer, or GPT-2's for a new model."
         },
     )
+    keep_freed_memory: bool = field(**KEEP_FREED_MEMORY_FIELD)
 
 
 @dataclass
@@ -380,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     transformers.utils.logging.set_verbosity_warning()
+    keep_freed_memory_on_cpu(model_args.keep_freed_memory, training_args)
     try:
         metrics = train_lm(model_args, data_args, training_args)
     except TrainingInputError as err:

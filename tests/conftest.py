@@ -29,3 +29,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def keep_freed_memory_calls(monkeypatch) -> list[bool]:
+    """The training command lines' `keep_freed_memory()` (a process-wide allocator setting) recorded,
+    not applied, in the test processes: one entry per call."""
+    import hfgpt.scripts.train_lm as train_script
+
+    calls: list[bool] = []
+    monkeypatch.setattr(train_script, "keep_freed_memory", lambda: calls.append(True) or True)
+    return calls

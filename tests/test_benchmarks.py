@@ -6,6 +6,10 @@ Speed itself is never asserted here: figures come from the benchmark, not from t
 
 import json
 import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import bench_model  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
@@ -129,3 +133,25 @@ def test_flop_count_matches_a_hand_count(bench):
 def test_unknown_section_is_a_clean_error(bench, capsys):
     assert bench.main(["--tiny", "--sections", "prefil"]) == 2
     assert "error: unknown section 'prefil'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
+    reason="--keep-freed-memory applies glibc's mallopt",
+)
+def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
+    """`--keep-freed-memory` (in its own process: it changes that process's allocator) runs the sections
+    and the memory workers with it, and says so in the JSON and in the table's first line."""
+    out = tmp_path / "kept.json"
+    script = Path(bench_model.__file__)
+    argv = ["--tiny", "--families", "gpt2", "--sections", "train,memory", "--keep-freed-memory"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv, "--json", str(out)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["keep_freed_memory"] is True
+    assert {(r["section"], r["impl"]) for r in report["rows"]} == {
+        (section, impl) for section in ("train", "memory") for impl in ("hfgpt", "transformers")
+    }
+    assert "freed memory kept in the process" in proc.stdout.splitlines()[0]

@@ -1,0 +1,34 @@
+"""Process-wide settings for running hfgpt models on the CPU, applied only where asked for (the training
+command lines do by default; importing hfgpt changes nothing)."""
+
+import ctypes
+import ctypes.util
+import sys
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+KEEP_FREED_BYTES = 2**31 - 1  # the largest trim threshold mallopt takes (an int)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve every allocation from its heap and keep freed memory for reuse, instead
+    of mapping each large block (>= 32 MB at most) freshly from the kernel and unmapping it when freed.
+
+    A training step allocates its largest buffers anew each time: GPT-2's 1024 x 50257 logits (206 MB)
+    and the 154 MB head gradient. From fresh mappings every page is faulted in again: ~100,000 page
+    faults per GPT-2 124M float32 step (B=4x256) here, against ~1,000 with this setting, and the step
+    took 4.34-4.37 s against 4.68-4.83 s, with the same peak memory (3.3 GB). Freed memory then stays
+    with the process (up to 2 GB above the heap's top) rather than going back to the system.
+
+    The same as starting Python with `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`, for
+    allocations from now on. Returns whether it was applied: False off Linux, or with a C library that
+    is not glibc (musl has no mallopt)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
