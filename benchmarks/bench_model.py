@@ -47,7 +47,7 @@ from transformers import (
 )
 from transformers import logging as hf_logging
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 from hfgpt.modeling.cpu_runtime import keep_freed_memory
 from hfgpt.modeling.interop import to_transformers, to_transformers_config
 from hfgpt.modeling.quantization import quantize_for_decoding
@@ -164,6 +164,18 @@ def matmul_shapes(tiny: bool) -> list[tuple[int, int, int]]:
     return [(256, 64, 256)] if tiny else [(2048, 768, 3072), (2048, 3072, 768), (2048, 2048, 2048)]
 
 
+def matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """`a @ b` by each library torch offers here: `torch.mm` (MKL's sgemm for float32 on the CPU) and,
+    for float32 on a CPU with oneDNN, oneDNN's product (what hfgpt runs, `use_onednn_products`). The
+    machine's matmul rate is the best of them: on this project's AMD CPU oneDNN's float32 rate is the
+    higher, so an MFU against MKL's alone would flatter hfgpt."""
+    kernels = {"torch.mm": lambda: a @ b}
+    if a.device.type == "cpu" and a.dtype == torch.float32 and modeling_hfgpt._ONEDNN_LINEAR is not None:
+        b_t = b.t().contiguous()
+        kernels["onednn"] = lambda: modeling_hfgpt.onednn_mm(a, b_t)
+    return kernels
+
+
 def matmul_probes(device: str, dtype: torch.dtype, tiny: bool) -> dict[str, tuple[Callable[[], Any], float]]:
     """`measure_hardware`'s GEMMs as contenders for `interleaved` (name: (callable, FLOPs)). Timed
     between the model runs, the best of them is the matmul rate of those same minutes."""
@@ -171,29 +183,35 @@ def matmul_probes(device: str, dtype: torch.dtype, tiny: bool) -> dict[str, tupl
     for m, k, n in matmul_shapes(tiny):
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        probes[f"{PROBE} {m}x{k}x{n}"] = (lambda a=a, b=b: a @ b, 2.0 * m * k * n)
+        for kernel, fn in matmul_kernels(a, b).items():
+            probes[f"{PROBE} {kernel} {m}x{k}x{n}"] = (fn, 2.0 * m * k * n)
     return probes
 
 
 def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
-    """The matmul rate (best median over GPT-2-like shapes; fp32, and bf16 for the bf16 training
-    row) and the memory read rate."""
+    """The matmul rate (best median over GPT-2-like shapes and `matmul_kernels`; fp32, and bf16 for the
+    bf16 rows), each kernel's best fp32 rate, and the memory read rate."""
     shapes = matmul_shapes(tiny)
-    out = {}
+    out: dict[str, Any] = {"fp32_matmul_flops_per_s_by_kernel": {}}
     for key, dtype in (("matmul_flops_per_s", torch.float32), ("bf16_matmul_flops_per_s", torch.bfloat16)):
         best = 0.0
         for m, k, n in shapes:
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
-            times = []
-            for _ in range(repeats + 2):
-                synchronize(device)
-                start = time.perf_counter()
-                for _ in range(4):
-                    a @ b
-                synchronize(device)
-                times.append((time.perf_counter() - start) / 4)
-            best = max(best, 2 * m * k * n / statistics.median(times[2:]))
+            for kernel, fn in matmul_kernels(a, b).items():
+                times = []
+                for _ in range(repeats + 2):
+                    synchronize(device)
+                    start = time.perf_counter()
+                    for _ in range(4):
+                        fn()
+                    synchronize(device)
+                    times.append((time.perf_counter() - start) / 4)
+                rate = 2 * m * k * n / statistics.median(times[2:])
+                best = max(best, rate)
+                if dtype == torch.float32:
+                    by_kernel = out["fp32_matmul_flops_per_s_by_kernel"]
+                    by_kernel[kernel] = max(by_kernel.get(kernel, 0.0), rate)
         out[key] = best
     # Read bandwidth: sum over a buffer the size of GPT-2 124M's weights (a reduction streams it once).
     numel = (1 << 16) if tiny else 494_000_000 // 4
@@ -582,6 +600,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("keep_freed"):
         keep_freed_memory()
+    modeling_hfgpt.use_onednn_products(spec.get("onednn", True))
     rss_after_imports = _reset_peak_rss()
     config = our_config(family, profile["model_overrides"])
     torch.manual_seed(0)
@@ -656,6 +675,7 @@ def memory_rows(ctx: Context, family: str) -> list[Row]:
                 impl=impl,
                 task=task,
                 keep_freed=ctx.keep_freed,
+                onednn=ctx.onednn,
             )
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", json.dumps(spec)],
@@ -700,6 +720,7 @@ class Context:
     hardware: dict[str, float]
     tiny: bool
     keep_freed: bool = False
+    onednn: bool = True
 
 
 def run(
@@ -710,11 +731,31 @@ def run(
     repeats: int | None = None,
     threads: int | None = None,
     keep_freed: bool = False,
+    onednn: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (what `--json` writes). `keep_freed` applies
     `keep_freed_memory()` (the training command lines' default) to this process and the memory workers:
-    it acts on both contenders alike."""
+    it acts on both contenders alike. `onednn=False` runs hfgpt's float32 CPU products through MKL's
+    `addmm`, as transformers' run (`use_onednn_products(False)`)."""
     hf_logging.set_verbosity_error()
+    previous = modeling_hfgpt.use_onednn_products(onednn)
+    try:
+        return _run(profile_name, device, families, sections, repeats, threads, keep_freed, onednn)
+    finally:
+        modeling_hfgpt.use_onednn_products(previous)
+
+
+def _run(
+    profile_name: str,
+    device: str | None,
+    families: tuple[str, ...],
+    sections: tuple[str, ...],
+    repeats: int | None,
+    threads: int | None,
+    keep_freed: bool,
+    onednn: bool,
+) -> dict[str, Any]:
+    onednn = onednn and modeling_hfgpt._ONEDNN_LINEAR is not None  # what hfgpt's products run on
     if keep_freed and not keep_freed_memory():
         raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -734,6 +775,7 @@ def run(
         hardware=hardware,
         tiny=tiny,
         keep_freed=keep_freed,
+        onednn=onednn,
     )
     rows: list[Row] = []
     timing_sections = [s for s in sections if s != "memory"]
@@ -758,10 +800,17 @@ def run(
             rows.extend(memory_rows(ctx, family))
     again = measure_hardware(device, 3 if tiny else 7, tiny)
     for key, value in again.items():
-        hardware[key] = max(hardware[key], value)
+        if isinstance(value, dict):
+            hardware[key] = {k: max(hardware[key].get(k, 0.0), v) for k, v in value.items()}
+        else:
+            hardware[key] = max(hardware[key], value)
     _rescale(rows, hardware)
     return {
-        "machine": {**machine_info(device), "keep_freed_memory": keep_freed},
+        "machine": {
+            **machine_info(device),
+            "keep_freed_memory": keep_freed,
+            "hfgpt_cpu_products": "onednn" if onednn else "mkl",
+        },
         "profile": profile_name,
         "hardware": hardware,
         "rows": [asdict(r) for r in rows],
@@ -813,12 +862,21 @@ def format_table(report: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`"
+        + ("; freed memory kept in the process (`--keep-freed-memory`)" if m.get("keep_freed_memory") else "")
         + (
-            "; freed memory kept in the process (`--keep-freed-memory`)."
-            if m.get("keep_freed_memory")
+            "; hfgpt's float32 CPU products through MKL (`--mkl-products`)."
+            if m.get("hfgpt_cpu_products") == "mkl"
             else "."
         ),
-        f"Measured fp32 matmul rate: {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; memory read rate: "
+        f"Measured fp32 matmul rate: {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
+        + (
+            " (best of "
+            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw["fp32_matmul_flops_per_s_by_kernel"].items())
+            + ")"
+            if hw.get("fp32_matmul_flops_per_s_by_kernel")
+            else ""
+        )
+        + "; memory read rate: "
         f"{hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
         + (
             f"; bf16 matmul rate {hw['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s."
@@ -947,6 +1005,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="apply hfgpt.modeling.cpu_runtime.keep_freed_memory() first, as hfgpt-train does (glibc)",
     )
+    parser.add_argument(
+        "--mkl-products",
+        action="store_true",
+        help="hfgpt's float32 CPU products through MKL's addmm instead of oneDNN (use_onednn_products(False))",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one memory measurement
     args = parser.parse_args(argv)
     if args.worker:
@@ -960,7 +1023,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}", file=sys.stderr)
             return 2
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
-    report = run(profile, args.device, families, sections, args.repeats, args.threads, args.keep_freed_memory)
+    report = run(
+        profile,
+        args.device,
+        families,
+        sections,
+        args.repeats,
+        args.threads,
+        args.keep_freed_memory,
+        onednn=not args.mkl_products,
+    )
     print(format_table(report))
     if args.json:
         write_json(args.json, report)

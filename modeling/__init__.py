@@ -21,6 +21,7 @@ from .modeling_hfgpt import (
     GPTForTokenClassification,
     GPTModel,
     GPTPreTrainedModel,
+    use_onednn_products,
 )
 
 AutoConfig.register(GPTConfig.model_type, GPTConfig, exist_ok=True)
@@ -47,4 +48,5 @@ __all__ = [
     "GPTModel",
     "GPTPreTrainedModel",
     "translate_transformers_config",
+    "use_onednn_products",
 ]

@@ -108,13 +108,93 @@ def inference_autocast_dtype(x: torch.Tensor, *params: torch.Tensor) -> torch.dt
     return torch.bfloat16
 
 
+def _find_onednn_linear() -> Callable | None:
+    """oneDNN's fp32/bf16 linear product (`mkldnn::_linear_pointwise`, the op torch.compile's CPU backend
+    emits), where this torch build has oneDNN (x86-64 wheels do), else None."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _find_onednn_linear()
+_cpu_products = {"onednn": _ONEDNN_LINEAR is not None}
+
+
+def use_onednn_products(enabled: bool) -> bool:
+    """Run the float32 CPU products of hfgpt's linear layers through oneDNN (the default where torch has
+    it) or, with False, through `torch.addmm` (MKL's sgemm, what transformers' `Conv1D` runs). Returns
+    the previous setting; process-wide.
+
+    On this project's AMD EPYC machine oneDNN ran GPT-2's layer products 10-60% faster than MKL (its
+    sgemm leaves much of the machine unused below ~64 rows: 8-row decoding steps took 1.5x as long).
+    Values equal `addmm`'s to float rounding (a different summation order), not bit for bit."""
+    previous = _cpu_products["onednn"]
+    _cpu_products["onednn"] = bool(enabled) and _ONEDNN_LINEAR is not None
+    return previous
+
+
+def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
+    compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
+    matrix-vector kernel)."""
+    return (
+        _cpu_products["onednn"]
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and all(p.dtype == torch.float32 for p in params)
+        and x.numel() >= 2 * x.shape[-1]
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def onednn_mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight_t.T + bias` for a 2-D `x` `[N, in]` and `weight_t` `[out, in]` (any strides), by oneDNN;
+    no gradient (the op has no derivative: `_OneDNNConv1D` and the head's functions call it)."""
+    return _ONEDNN_LINEAR(x, weight_t, bias, "none", [], "")
+
+
+class _OneDNNConv1D(torch.autograd.Function):
+    """`x @ weight + bias` (`weight` `[in, out]`) and its gradients, each product by oneDNN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return onednn_mm(x, weight.t(), bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = onednn_mm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = onednn_mm(x.t(), grad.t()) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
 class GPTConv1D(Conv1D):
     """transformers' `Conv1D` (`[in, out]` weight, the layout of both OpenAI releases; the same
-    parameters and values), whose weight, inside CPU bfloat16 autocast without gradients, is cast into
-    a reused `workspace` rather than into a fresh copy each call as autocast does. The values are
-    autocast's: the same cast, the same bfloat16 `addmm`."""
+    parameters and values). On the CPU its float32 products run through oneDNN (`use_onednn_products`),
+    forward and backward. Inside CPU bfloat16 autocast without gradients its weight is cast into a reused
+    `workspace` rather than into a fresh copy each call as autocast does; the values are autocast's: the
+    same cast, the same bfloat16 `addmm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if onednn_products_apply(x, self.weight, self.bias):
+            rows = x.reshape(-1, x.shape[-1])
+            if needs_grad(x, self.weight, self.bias):
+                out = _OneDNNConv1D.apply(rows, self.weight, self.bias)
+            else:
+                out = onednn_mm(rows, self.weight.t(), self.bias)
+            return out.view(*x.shape[:-1], self.nf)
         dtype = inference_autocast_dtype(x, self.weight, self.bias)
         if dtype is None:
             return super().forward(x)
@@ -485,15 +565,18 @@ def weight_blocks(
 
 
 def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`hidden @ weight.T` in `hidden`'s dtype, written into rows padded to a multiple of 64 elements;
-    returns the unpadded view.
+    """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` (contiguous
+    logits), else written into rows padded to a multiple of 64 elements, returning the unpadded view.
 
-    MKL's float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a
-    256-byte boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
+    oneDNN ran GPT-2's head 1.25x as fast as MKL's row-aligned product here (512 and 1024 rows). MKL's
+    float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a 256-byte
+    boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
     view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
     A float32 `weight` with bfloat16 `hidden` is multiplied a block of `weight_blocks` at a time, with the
     values of autocast's `F.linear`.
     """
+    if hidden.dtype == weight.dtype and onednn_products_apply(hidden, weight):
+        return onednn_mm(hidden, weight)
     vocab = weight.shape[0]
     buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
     logits = buffer[:, :vocab]
@@ -515,8 +598,12 @@ class _RowAlignedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden, weight = ctx.saved_tensors
-        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
+        if onednn_products_apply(grad, weight):
+            grad_hidden = onednn_mm(grad, weight.T) if ctx.needs_input_grad[0] else None
+            grad_weight = onednn_mm(grad.T, hidden.T) if ctx.needs_input_grad[1] else None
+        else:
+            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+            grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight
 
 
@@ -543,14 +630,18 @@ def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # Up to this many rows (a decoding step), a product with a weight runs as `few_rows_product`.
 FEW_ROWS = 16
+ONEDNN_FEW_ROWS = 4
 
 
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
     `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
     2-4x slower (GPT-2's 50257 x 768 head: 4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
-    benchmarks/RESULTS.md). Contiguous (rows, out)."""
+    benchmarks/RESULTS.md). From `ONEDNN_FEW_ROWS` rows on, oneDNN's product where it applies (8 rows:
+    9.4 vs 16 ms), without gradients. Contiguous (rows, out)."""
     rows = len(flat)
+    if rows >= ONEDNN_FEW_ROWS and onednn_products_apply(flat, weight) and not needs_grad(flat, weight):
+        return onednn_mm(flat, weight)
     columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
     return torch.mm(weight, columns.T)[:, :rows].T.contiguous()
 
@@ -714,6 +805,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows, vocab = logits.shape
         scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
         float32 = hidden.dtype == torch.float32
+        onednn = float32 and onednn_products_apply(hidden, weight)  # MKL's addmm_ / mm(out=) otherwise
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         grad_weight = weight.new_empty(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
@@ -732,12 +824,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad += grad_logits[:, start:stop]
             product = grad if float32 else low[: grad.numel()].view(grad.shape).copy_(grad)
             if grad_hidden is not None:
-                if float32:
+                if onednn:
+                    grad_hidden += onednn_mm(product, weight_slice.T)
+                elif float32:
                     grad_hidden.addmm_(product, weight_slice)
                 else:  # addmm_ takes one dtype: the slices' sum stays float32
                     grad_hidden += product @ weight_slice
             if grad_weight is not None:
-                if float32:
+                if onednn:
+                    grad_weight[start:stop] = onednn_mm(product.T, hidden.T)
+                elif float32:
                     torch.mm(product.T, hidden, out=grad_weight[start:stop])
                 else:
                     grad_weight[start:stop] = product.T @ hidden
@@ -1495,4 +1591,5 @@ __all__ = [
     "GPTForTokenClassification",
     "GPTModel",
     "GPTPreTrainedModel",
+    "use_onednn_products",
 ]

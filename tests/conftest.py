@@ -40,3 +40,16 @@ def keep_freed_memory_calls(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     monkeypatch.setattr(train_script, "keep_freed_memory", lambda: calls.append(True) or True)
     return calls
+
+
+@pytest.fixture(params=["onednn", "mkl"])
+def cpu_products(request):
+    """Runs a test with hfgpt's float32 CPU products through oneDNN (the default) and through MKL's
+    `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built without oneDNN."""
+    from hfgpt.modeling import modeling_hfgpt
+
+    if request.param == "onednn" and modeling_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN")
+    previous = modeling_hfgpt.use_onednn_products(request.param == "onednn")
+    yield request.param
+    modeling_hfgpt.use_onednn_products(previous)

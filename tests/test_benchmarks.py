@@ -64,6 +64,12 @@ def test_float32_and_bf16_autocast_rows_with_their_own_matmul_rate(tiny_report, 
 def test_figures_are_finite_and_positive(tiny_report):
     hw = tiny_report["hardware"]
     assert hw["matmul_flops_per_s"] > 0 and hw["read_bytes_per_s"] > 0
+    # The fp32 matmul rate is the best of torch.mm's and (where torch has it) oneDNN's, hfgpt's kernel.
+    by_kernel = hw["fp32_matmul_flops_per_s_by_kernel"]
+    onednn = bench_model.modeling_hfgpt._ONEDNN_LINEAR is not None
+    assert set(by_kernel) == ({"torch.mm", "onednn"} if onednn else {"torch.mm"})
+    assert hw["matmul_flops_per_s"] == max(by_kernel.values())
+    assert tiny_report["machine"]["hfgpt_cpu_products"] == ("onednn" if onednn else "mkl")
     for row in tiny_report["rows"]:
         assert row["rate"] > 0 and math.isfinite(row["rate"]), row
         if row["section"] != "memory":
@@ -155,3 +161,18 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
         (section, impl) for section in ("train", "memory") for impl in ("hfgpt", "transformers")
     }
     assert "freed memory kept in the process" in proc.stdout.splitlines()[0]
+
+
+def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, capsys):
+    from hfgpt.modeling import modeling_hfgpt
+
+    before = modeling_hfgpt.use_onednn_products(True)
+    try:
+        out = tmp_path / "mkl.json"
+        argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--mkl-products", "--json", str(out)]
+        assert bench_model.main(argv) == 0
+        assert json.loads(out.read_text())["machine"]["hfgpt_cpu_products"] == "mkl"
+        assert "through MKL (`--mkl-products`)" in capsys.readouterr().out.splitlines()[0]
+        assert modeling_hfgpt.use_onednn_products(before) == (modeling_hfgpt._ONEDNN_LINEAR is not None)
+    finally:
+        modeling_hfgpt.use_onednn_products(before)

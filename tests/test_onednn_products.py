@@ -1,0 +1,126 @@
+"""hfgpt's float32 CPU products through oneDNN (`use_onednn_products`, modeling_hfgpt.py): the same values
+and gradients as transformers' `Conv1D` / `F.linear` to float rounding, used where it applies and
+nowhere else."""
+
+import pytest
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling.interop import to_transformers
+from hfgpt.modeling.modeling_hfgpt import GPTConv1D, onednn_products_apply, use_onednn_products
+
+TINY = dict(
+    vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+)
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes of every oneDNN product, recorded (and still computed)."""
+    if modeling_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN")
+    calls, op = [], modeling_hfgpt._ONEDNN_LINEAR
+    monkeypatch.setattr(
+        modeling_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(tuple(x.shape)) or op(x, *args)
+    )
+    previous = use_onednn_products(True)
+    yield calls
+    use_onednn_products(previous)
+
+
+def conv1d_pair(seed: int = 0) -> tuple[GPTConv1D, Conv1D]:
+    torch.manual_seed(seed)
+    theirs = Conv1D(48, 32)
+    torch.nn.init.normal_(theirs.bias)
+    ours = GPTConv1D(48, 32)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32), (2, 1, 32), (3, 40, 32)])
+@pytest.mark.parametrize("wrt", ["input", "weight", "all"])
+def test_conv1d_equals_transformers_conv1d_in_values_and_gradients(shape, wrt, cpu_products):
+    ours, theirs = conv1d_pair()
+    x = torch.randn(shape, requires_grad=wrt != "weight")
+    if wrt == "input":
+        for layer in (ours, theirs):
+            layer.requires_grad_(False)
+    got, expected = ours(x), theirs(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn(got.shape)
+    inputs = {"input": [x], "weight": [], "all": [x]}[wrt]
+    ours_wrt = inputs + ([] if wrt == "input" else [ours.weight, ours.bias])
+    theirs_wrt = inputs + ([] if wrt == "input" else [theirs.weight, theirs.bias])
+    for g, e in zip(
+        torch.autograd.grad((got * upstream).sum(), ours_wrt),
+        torch.autograd.grad((expected * upstream).sum(), theirs_wrt),
+        strict=True,
+    ):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(onednn_calls):
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY))
+    ids = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        model(ids)
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj in each of the two blocks, then the head: 20 rows each.
+    block = [(20, 32), (20, 32), (20, 32), (20, 128)]
+    assert onednn_calls == block * 2 + [(20, 32)]
+    onednn_calls.clear()
+    model(ids, labels=ids).loss.backward()
+    # Forward as above; backward: two products for each of those (one vocabulary slice here).
+    assert onednn_calls[:9] == block * 2 + [(20, 32)]
+    assert len(onednn_calls) == 9 + 2 * 9
+    onednn_calls.clear()
+    model.eval()
+    prompts = torch.randint(0, 96, (4, 5))
+    with torch.no_grad():
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=3, do_sample=False)
+    # The prompt's 20 rows (its head: the last position of each row), then two decoding steps of 4 rows,
+    # the head included (oneDNN from 4 rows on).
+    assert [shape[0] for shape in onednn_calls] == [20] * 8 + [4] + [4] * 18
+
+
+def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_calls):
+    ours, theirs = conv1d_pair()
+    with torch.no_grad():
+        assert torch.equal(ours(torch.ones(1, 1, 32)), theirs(torch.ones(1, 1, 32)))  # MKL's one-row kernel
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours(torch.randn(5, 32))
+        ours.double()(torch.randn(5, 32, dtype=torch.float64))
+        assert onednn_calls == []
+        use_onednn_products(False)
+        x = torch.randn(5, 32)
+        assert torch.equal(ours.float()(x), theirs(x))  # exactly addmm
+        assert onednn_calls == []
+        assert not onednn_products_apply(x, ours.weight)
+
+
+def test_use_onednn_products_stays_off_without_onednn(monkeypatch):
+    monkeypatch.setattr(modeling_hfgpt, "_ONEDNN_LINEAR", None)
+    previous = use_onednn_products(True)
+    try:
+        assert not onednn_products_apply(torch.randn(4, 8), torch.randn(8, 3))
+    finally:
+        monkeypatch.undo()
+        use_onednn_products(previous)
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_models_match_transformers_in_inference(layer_norm_position, cpu_products):
+    """Prefill and decoding logits; the training gradients are compared in test_performance.py
+    (`test_tied_head_and_embedding_gradients_meet_in_place_and_equal_transformers`, both backends)."""
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=layer_norm_position)).eval()
+    peer = to_transformers(ours).eval()
+    ids = torch.randint(0, 96, (5, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
+        step = ours(ids[:, :16], use_cache=True)
+        last = ours(ids[:, 16:], past_key_values=step.past_key_values).logits
+        torch.testing.assert_close(last, peer(ids).logits[:, 16:], atol=1e-5, rtol=1e-5)
