@@ -176,3 +176,33 @@ def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, c
         assert modeling_hfgpt.use_onednn_products(before) == (modeling_hfgpt._ONEDNN_LINEAR is not None)
     finally:
         modeling_hfgpt.use_onednn_products(before)
+
+
+@pytest.mark.skipif(
+    bench_model.modeling_hfgpt._ONEDNN_LINEAR is None, reason="compares oneDNN with MKL: needs oneDNN"
+)
+def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
+    import ab_cpu_products
+
+    from hfgpt.modeling import modeling_hfgpt
+
+    before = modeling_hfgpt.use_onednn_products(True)
+    try:
+        assert ab_cpu_products.main(["--tiny", "--json", str(tmp_path / "ab.json")]) == 0
+        # Each timed call runs on its own backend, and the setting is as it was after it.
+        setting = lambda: modeling_hfgpt._cpu_products["onednn"]  # noqa: E731
+        assert ab_cpu_products.on("mkl", setting)() is False
+        assert ab_cpu_products.on("onednn", setting)() is True
+        assert modeling_hfgpt._cpu_products["onednn"] is True
+    finally:
+        modeling_hfgpt.use_onednn_products(before)
+    report = json.loads((tmp_path / "ab.json").read_text())
+    cases = [row["case"] for row in report["rows"]]
+    assert [c.split()[0] for c in cases] == ["prefill", "prefill", "decode", "decode", "train"]
+    for row in report["rows"]:
+        for backend in ("onednn", "mkl"):
+            assert row[backend]["rate"] > 0 and row[backend]["n"] == 2
+        assert row["mkl_over_onednn"] == pytest.approx(row["mkl"]["median_s"] / row["onednn"]["median_s"])
+    assert all(isinstance(row["tokens_identical"], bool) for row in report["rows"] if "decode" in row["case"])
+    table = capsys.readouterr().out
+    assert table.count("\n| ") == 1 + len(cases)  # the header row and one row a case
