@@ -27,7 +27,7 @@ from bench_model import (
     left_padded_prompts,
     machine_info,
     make_train_step,
-    write_json,
+    publish,
 )
 
 from hfgpt.modeling import modeling_hfgpt
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this torch build has no oneDNN: nothing to compare", file=sys.stderr)
         return 2
     report = run(args.tiny, args.family, args.repeats)
-    print(format_table(report))
-    if args.json:
-        write_json(args.json, report)
+    publish(format_table(report), report, args.json)
     return 0
 
 

@@ -989,6 +989,13 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def publish(table: str, report: dict[str, Any], path: Path | None) -> None:
+    """Print the table for people and, where asked, write the figures for machines (`write_json`)."""
+    print(table)
+    if path:
+        write_json(path, report)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -1033,9 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
         args.keep_freed_memory,
         onednn=not args.mkl_products,
     )
-    print(format_table(report))
-    if args.json:
-        write_json(args.json, report)
+    publish(format_table(report), report, args.json)
     return 0
 
 

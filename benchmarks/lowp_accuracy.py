@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from bench_model import write_json  # the sibling script (python benchmarks/lowp_accuracy.py)
+from bench_model import publish  # the sibling script (python benchmarks/lowp_accuracy.py)
 from transformers import AutoTokenizer
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
@@ -277,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
     report = run(args)
-    print(format_report(report))
-    if args.json:
-        write_json(args.json, report)
+    publish(format_report(report), report, args.json)
     return 0
 
 

@@ -4,11 +4,11 @@ nowhere else."""
 
 import pytest
 import torch
-from transformers.pytorch_utils import Conv1D
+from test_performance import conv1d_pair  # tests/ is on sys.path (pytest's default import mode)
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import GPTConv1D, onednn_products_apply, use_onednn_products
+from hfgpt.modeling.modeling_hfgpt import onednn_products_apply, use_onednn_products
 
 TINY = dict(
     vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
@@ -27,15 +27,6 @@ def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
     previous = use_onednn_products(True)
     yield calls
     use_onednn_products(previous)
-
-
-def conv1d_pair(seed: int = 0) -> tuple[GPTConv1D, Conv1D]:
-    torch.manual_seed(seed)
-    theirs = Conv1D(48, 32)
-    torch.nn.init.normal_(theirs.bias)
-    ours = GPTConv1D(48, 32)
-    ours.load_state_dict(theirs.state_dict())
-    return ours, theirs
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 32), (2, 1, 32), (3, 40, 32)])
