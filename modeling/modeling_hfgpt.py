@@ -139,16 +139,18 @@ def use_onednn_products(enabled: bool) -> bool:
 def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
     compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
-    matrix-vector kernel)."""
+    matrix-vector kernel); never while oneDNN is switched off (`torch.backends.mkldnn.flags(enabled=False)`).
+    The compile check comes first: torch.compile cannot trace the flag's lookup."""
     return (
         _cpu_products["onednn"]
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and all(p.dtype == torch.float32 for p in params)
         and x.numel() >= 2 * x.shape[-1]
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and torch._C._get_mkldnn_enabled()
     )
 
 

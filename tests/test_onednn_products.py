@@ -77,6 +77,7 @@ def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(on
     assert [shape[0] for shape in onednn_calls] == [20] * 8 + [4] + [4] * 18
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags' own warning
 def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_calls):
     ours, theirs = conv1d_pair()
     with torch.no_grad():
@@ -84,7 +85,13 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ours(torch.randn(5, 32))
         ours.double()(torch.randn(5, 32, dtype=torch.float64))
+        ours.float()
+        with torch.backends.mkldnn.flags(enabled=False):  # the user's switch for torch's own oneDNN use
+            ours(torch.randn(5, 32))
         assert onednn_calls == []
+        ours(torch.randn(5, 32))
+        assert onednn_calls == [(5, 32)]
+        onednn_calls.clear()
         use_onednn_products(False)
         x = torch.randn(5, 32)
         assert torch.equal(ours.float()(x), theirs(x))  # exactly addmm
