@@ -165,7 +165,9 @@ def onednn_mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
 
 
 class _OneDNNConv1D(torch.autograd.Function):
-    """`x @ weight + bias` (`weight` `[in, out]`) and its gradients, each product by oneDNN."""
+    """`x @ weight + bias` (`weight` `[in, out]`) and its gradients, each product by oneDNN. A backward
+    that builds a graph itself (`create_graph=True`, for second derivatives) runs torch's differentiable
+    products instead."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -173,12 +175,16 @@ class _OneDNNConv1D(torch.autograd.Function):
         return onednn_mm(x, weight.t(), bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        grad_x = onednn_mm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = onednn_mm(x.t(), grad.t()) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
+        differentiable = torch.is_grad_enabled()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.t() if differentiable else onednn_mm(grad, weight)
+        if ctx.needs_input_grad[1]:
+            grad_weight = x.t() @ grad if differentiable else onednn_mm(x.t(), grad.t())
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
 
 

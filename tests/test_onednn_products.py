@@ -53,6 +53,19 @@ def test_conv1d_equals_transformers_conv1d_in_values_and_gradients(shape, wrt, c
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+def test_conv1d_second_derivatives_equal_transformers_conv1d(cpu_products):
+    """A backward with create_graph=True (a gradient penalty) differentiates through the gradients."""
+    ours, theirs = conv1d_pair()
+    penalties = []
+    for layer in (ours, theirs):
+        x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        (grad_x,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        grad_x.square().sum().backward()
+        penalties.append((x.grad, layer.weight.grad, layer.bias.grad))
+    for got, expected in zip(*penalties, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(onednn_calls):
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY))
