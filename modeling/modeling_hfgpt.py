@@ -606,7 +606,7 @@ class _RowAlignedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         hidden, weight = ctx.saved_tensors
-        if onednn_products_apply(grad, weight):
+        if onednn_products_apply(grad, weight) and not torch.is_grad_enabled():  # no create_graph=True
             grad_hidden = onednn_mm(grad, weight.T) if ctx.needs_input_grad[0] else None
             grad_weight = onednn_mm(grad.T, hidden.T) if ctx.needs_input_grad[1] else None
         else:

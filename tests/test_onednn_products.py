@@ -135,3 +135,18 @@ def test_models_match_transformers_in_inference(layer_norm_position, cpu_product
         step = ours(ids[:, :16], use_cache=True)
         last = ours(ids[:, 16:], past_key_values=step.past_key_values).logits
         torch.testing.assert_close(last, peer(ids).logits[:, 16:], atol=1e-5, rtol=1e-5)
+
+
+def test_lm_head_second_derivatives_equal_the_linear_heads(cpu_products):
+    """`project_to_vocab` with gradients (no labels), differentiated twice like `F.linear`."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 500, bias=False)
+    results = []
+    for fn in (modeling_hfgpt.project_to_vocab, lambda h, head: head(h)):
+        head.weight.grad = None
+        hidden = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        (grad,) = torch.autograd.grad(fn(hidden, head).square().sum(), hidden, create_graph=True)
+        grad.square().sum().backward()
+        results.append((hidden.grad, head.weight.grad))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
