@@ -39,11 +39,8 @@ def on(backend: str, fn) -> Any:
     """`fn` run with hfgpt's products on `backend`."""
 
     def run() -> Any:
-        previous = modeling_hfgpt.use_onednn_products(backend == "onednn")
-        try:
+        with modeling_hfgpt.onednn_products(backend == "onednn"):
             return fn()
-        finally:
-            modeling_hfgpt.use_onednn_products(previous)
 
     return run
 

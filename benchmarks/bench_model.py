@@ -738,83 +738,67 @@ def run(
     it acts on both contenders alike. `onednn=False` runs hfgpt's float32 CPU products through MKL's
     `addmm`, as transformers' run (`use_onednn_products(False)`)."""
     hf_logging.set_verbosity_error()
-    previous = modeling_hfgpt.use_onednn_products(onednn)
-    try:
-        return _run(profile_name, device, families, sections, repeats, threads, keep_freed, onednn)
-    finally:
-        modeling_hfgpt.use_onednn_products(previous)
-
-
-def _run(
-    profile_name: str,
-    device: str | None,
-    families: tuple[str, ...],
-    sections: tuple[str, ...],
-    repeats: int | None,
-    threads: int | None,
-    keep_freed: bool,
-    onednn: bool,
-) -> dict[str, Any]:
-    onednn = onednn and modeling_hfgpt._ONEDNN_LINEAR is not None  # what hfgpt's products run on
-    if keep_freed and not keep_freed_memory():
-        raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if threads:
-        torch.set_num_threads(threads)
-    profile = PROFILES[profile_name]
-    tiny = profile_name == "tiny"
-    # Measured before and after the models run; the better of the two is kept (a busy machine only
-    # ever lowers these figures, and a higher limit makes the utilisation figures conservative).
-    hardware = measure_hardware(device, 3 if tiny else 7, tiny)
-    ctx = Context(
-        device=device,
-        profile_name=profile_name,
-        profile=profile,
-        repeats=repeats or profile["repeats"],
-        decode_repeats=repeats or profile["decode_repeats"],
-        hardware=hardware,
-        tiny=tiny,
-        keep_freed=keep_freed,
-        onednn=onednn,
-    )
-    rows: list[Row] = []
-    timing_sections = [s for s in sections if s != "memory"]
-    for family in families:
-        if timing_sections:
-            ours = build_ours(family, profile["model_overrides"], device).eval()
-            peer = build_peer(ours).eval()
-            hardware[f"{family}_decode_weight_bytes"] = decode_weight_bytes(ours)
-            for section, fn in (
-                ("prefill", prefill_rows),
-                ("decode", decode_rows),
-                ("lowp", lowp_rows),
-                ("train", train_rows),
-                ("compile", compile_rows),
-            ):
-                if section in sections:
-                    start = time.perf_counter()
-                    rows.extend(fn(ctx, family, ours, peer))
-                    print(f"[{family} {section}: {time.perf_counter() - start:.0f}s]", file=sys.stderr)
-            del ours, peer
-        if "memory" in sections:
-            rows.extend(memory_rows(ctx, family))
-    again = measure_hardware(device, 3 if tiny else 7, tiny)
-    for key, value in again.items():
-        if isinstance(value, dict):
-            hardware[key] = {k: max(hardware[key].get(k, 0.0), v) for k, v in value.items()}
-        else:
-            hardware[key] = max(hardware[key], value)
-    _rescale(rows, hardware)
-    return {
-        "machine": {
-            **machine_info(device),
-            "keep_freed_memory": keep_freed,
-            "hfgpt_cpu_products": "onednn" if onednn else "mkl",
-        },
-        "profile": profile_name,
-        "hardware": hardware,
-        "rows": [asdict(r) for r in rows],
-    }
+    # The setting for this run only; `onednn` becomes what hfgpt's products run on.
+    with modeling_hfgpt.onednn_products(onednn) as onednn:
+        if keep_freed and not keep_freed_memory():
+            raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if threads:
+            torch.set_num_threads(threads)
+        profile = PROFILES[profile_name]
+        tiny = profile_name == "tiny"
+        # Measured before and after the models run; the better of the two is kept (a busy machine only
+        # ever lowers these figures, and a higher limit makes the utilisation figures conservative).
+        hardware = measure_hardware(device, 3 if tiny else 7, tiny)
+        ctx = Context(
+            device=device,
+            profile_name=profile_name,
+            profile=profile,
+            repeats=repeats or profile["repeats"],
+            decode_repeats=repeats or profile["decode_repeats"],
+            hardware=hardware,
+            tiny=tiny,
+            keep_freed=keep_freed,
+            onednn=onednn,
+        )
+        rows: list[Row] = []
+        timing_sections = [s for s in sections if s != "memory"]
+        for family in families:
+            if timing_sections:
+                ours = build_ours(family, profile["model_overrides"], device).eval()
+                peer = build_peer(ours).eval()
+                hardware[f"{family}_decode_weight_bytes"] = decode_weight_bytes(ours)
+                for section, fn in (
+                    ("prefill", prefill_rows),
+                    ("decode", decode_rows),
+                    ("lowp", lowp_rows),
+                    ("train", train_rows),
+                    ("compile", compile_rows),
+                ):
+                    if section in sections:
+                        start = time.perf_counter()
+                        rows.extend(fn(ctx, family, ours, peer))
+                        print(f"[{family} {section}: {time.perf_counter() - start:.0f}s]", file=sys.stderr)
+                del ours, peer
+            if "memory" in sections:
+                rows.extend(memory_rows(ctx, family))
+        again = measure_hardware(device, 3 if tiny else 7, tiny)
+        for key, value in again.items():
+            if isinstance(value, dict):
+                hardware[key] = {k: max(hardware[key].get(k, 0.0), v) for k, v in value.items()}
+            else:
+                hardware[key] = max(hardware[key], value)
+        _rescale(rows, hardware)
+        return {
+            "machine": {
+                **machine_info(device),
+                "keep_freed_memory": keep_freed,
+                "hfgpt_cpu_products": "onednn" if onednn else "mkl",
+            },
+            "profile": profile_name,
+            "hardware": hardware,
+            "rows": [asdict(r) for r in rows],
+        }
 
 
 def _rescale(rows: list[Row], hardware: dict[str, float]) -> None:

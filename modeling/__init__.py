@@ -21,6 +21,7 @@ from .modeling_hfgpt import (
     GPTForTokenClassification,
     GPTModel,
     GPTPreTrainedModel,
+    onednn_products,
     use_onednn_products,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "GPTForTokenClassification",
     "GPTModel",
     "GPTPreTrainedModel",
+    "onednn_products",
     "translate_transformers_config",
     "use_onednn_products",
 ]

@@ -9,6 +9,7 @@ This file imports only torch, transformers and its sibling `configuration_hfgpt.
 `save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
 """
 
+import contextlib
 import math
 import os
 import re
@@ -128,12 +129,23 @@ def use_onednn_products(enabled: bool) -> bool:
     it) or, with False, through `torch.addmm` (MKL's sgemm, what transformers' `Conv1D` runs). Returns
     the previous setting; process-wide.
 
-    On this project's AMD EPYC machine oneDNN ran GPT-2's layer products 10-60% faster than MKL (its
-    sgemm leaves much of the machine unused below ~64 rows: 8-row decoding steps took 1.5x as long).
-    Values equal `addmm`'s to float rounding (a different summation order), not bit for bit."""
+    On this project's AMD EPYC machine oneDNN ran GPT-2's products 1.1-1.6x as fast as MKL, and twice
+    as fast at the 8 rows of a batched decoding step (the twelve layers: 22-24 vs 44-49 ms). Values
+    equal `addmm`'s to float rounding (a different summation order), not bit for bit."""
     previous = _cpu_products["onednn"]
     _cpu_products["onednn"] = bool(enabled) and _ONEDNN_LINEAR is not None
     return previous
+
+
+@contextlib.contextmanager
+def onednn_products(enabled: bool) -> Iterator[bool]:
+    """`use_onednn_products(enabled)` for the block, the previous setting restored after it; yields
+    whether oneDNN runs in it (False without oneDNN whatever `enabled`)."""
+    previous = use_onednn_products(enabled)
+    try:
+        yield _cpu_products["onednn"]
+    finally:
+        use_onednn_products(previous)
 
 
 def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -813,7 +825,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows, vocab = logits.shape
         scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
         float32 = hidden.dtype == torch.float32
-        onednn = float32 and onednn_products_apply(hidden, weight)  # MKL's addmm_ / mm(out=) otherwise
+        onednn = onednn_products_apply(hidden, weight)  # float32 only; MKL's addmm_ / mm(out=) otherwise
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         grad_weight = weight.new_empty(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
@@ -1599,5 +1611,6 @@ __all__ = [
     "GPTForTokenClassification",
     "GPTModel",
     "GPTPreTrainedModel",
+    "onednn_products",
     "use_onednn_products",
 ]

@@ -50,6 +50,5 @@ def cpu_products(request):
 
     if request.param == "onednn" and modeling_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
-    previous = modeling_hfgpt.use_onednn_products(request.param == "onednn")
-    yield request.param
-    modeling_hfgpt.use_onednn_products(previous)
+    with modeling_hfgpt.onednn_products(request.param == "onednn"):
+        yield request.param

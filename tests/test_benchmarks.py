@@ -166,16 +166,17 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
 def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, capsys):
     from hfgpt.modeling import modeling_hfgpt
 
-    before = modeling_hfgpt.use_onednn_products(True)
-    try:
+    with modeling_hfgpt.onednn_products(True) as runs_onednn:
         out = tmp_path / "mkl.json"
         argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--mkl-products", "--json", str(out)]
         assert bench_model.main(argv) == 0
         assert json.loads(out.read_text())["machine"]["hfgpt_cpu_products"] == "mkl"
         assert "through MKL (`--mkl-products`)" in capsys.readouterr().out.splitlines()[0]
-        assert modeling_hfgpt.use_onednn_products(before) == (modeling_hfgpt._ONEDNN_LINEAR is not None)
-    finally:
-        modeling_hfgpt.use_onednn_products(before)
+        assert (
+            modeling_hfgpt._cpu_products["onednn"]
+            == runs_onednn
+            == (modeling_hfgpt._ONEDNN_LINEAR is not None)
+        )
 
 
 @pytest.mark.skipif(
@@ -186,16 +187,13 @@ def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
 
     from hfgpt.modeling import modeling_hfgpt
 
-    before = modeling_hfgpt.use_onednn_products(True)
-    try:
+    with modeling_hfgpt.onednn_products(True):
         assert ab_cpu_products.main(["--tiny", "--json", str(tmp_path / "ab.json")]) == 0
         # Each timed call runs on its own backend, and the setting is as it was after it.
         setting = lambda: modeling_hfgpt._cpu_products["onednn"]  # noqa: E731
         assert ab_cpu_products.on("mkl", setting)() is False
         assert ab_cpu_products.on("onednn", setting)() is True
         assert modeling_hfgpt._cpu_products["onednn"] is True
-    finally:
-        modeling_hfgpt.use_onednn_products(before)
     report = json.loads((tmp_path / "ab.json").read_text())
     cases = [row["case"] for row in report["rows"]]
     assert [c.split()[0] for c in cases] == ["prefill", "prefill", "decode", "decode", "train"]

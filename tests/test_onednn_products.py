@@ -24,9 +24,8 @@ def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
     monkeypatch.setattr(
         modeling_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(tuple(x.shape)) or op(x, *args)
     )
-    previous = use_onednn_products(True)
-    yield calls
-    use_onednn_products(previous)
+    with modeling_hfgpt.onednn_products(True):
+        yield calls
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 32), (2, 1, 32), (3, 40, 32)])
@@ -114,12 +113,9 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
 
 def test_use_onednn_products_stays_off_without_onednn(monkeypatch):
     monkeypatch.setattr(modeling_hfgpt, "_ONEDNN_LINEAR", None)
-    previous = use_onednn_products(True)
-    try:
+    with modeling_hfgpt.onednn_products(True) as runs_onednn:
+        assert runs_onednn is False
         assert not onednn_products_apply(torch.randn(4, 8), torch.randn(8, 3))
-    finally:
-        monkeypatch.undo()
-        use_onednn_products(previous)
 
 
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
