@@ -146,3 +146,37 @@ def test_lm_head_second_derivatives_equal_the_linear_heads(cpu_products):
         results.append((hidden.grad, head.weight.grad))
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("activation_function", "post_op"), [("gelu_new", ("gelu", "tanh")), ("relu", ("relu", ""))]
+)
+def test_the_mlp_activation_runs_inside_the_onednn_product_without_autograd_or_hooks(
+    activation_function, post_op, monkeypatch
+):
+    """c_fc's product applies the activation (a oneDNN post-op) in inference; with autograd, or with a hook on
+    c_fc that must see its plain output, the activation runs separately. The logits agree either way."""
+    if modeling_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN")
+    post_ops, op = [], modeling_hfgpt._ONEDNN_LINEAR
+    monkeypatch.setattr(
+        modeling_hfgpt,
+        "_ONEDNN_LINEAR",
+        lambda x, w, b, attr, scalars, algo: (
+            post_ops.append((attr, algo)) or op(x, w, b, attr, scalars, algo)
+        ),
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, activation_function=activation_function)).eval()
+    ids = torch.randint(0, 96, (2, 10))
+    with modeling_hfgpt.onednn_products(True):
+        expected = model(ids).logits  # autograd on: no fused activation
+        assert post_ops.count(post_op) == 0 and len(post_ops) == 9
+        post_ops.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected.detach(), atol=1e-5, rtol=1e-5)
+            assert post_ops.count(post_op) == 2  # c_fc of each block
+            post_ops.clear()
+            model.transformer.h[1].mlp.c_fc.register_forward_pre_hook(lambda module, args: None)
+            torch.testing.assert_close(model(ids).logits, expected.detach(), atol=1e-5, rtol=1e-5)
+            assert post_ops.count(post_op) == 1  # block 0 only
