@@ -530,7 +530,8 @@ class GPTMLP(nn.Module):
         self.dropout = GPTDropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inner = self.c_fc.activated(hidden_states, self.act)
+        # (quantize_for_decoding's copies replace c_fc by an nn.Linear)
+        inner = self.c_fc.activated(hidden_states, self.act) if isinstance(self.c_fc, GPTConv1D) else None
         if inner is None:
             inner = self.c_fc(hidden_states)
             # In place only where nothing else can hold c_fc's output: no autograd, no forward hook.
