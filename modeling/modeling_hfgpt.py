@@ -358,10 +358,10 @@ def cpu_dropout_attention(
     position) gets zero weights (`torch._safe_softmax`, the softmax sdpa's own math path uses).
 
     Causal self-attention over 128 positions or more runs `ATTENTION_BAND` query rows at a time against
-    the keys up to each band's last row, skipping the masked upper triangle: for GPT-2's 12 heads at
-    B=4 x 256, forward and backward with dropout took 23 ms a layer here against 36 ms for the whole
-    square. That covers no mask, and a boolean mask that attends to no later position (transformers'
-    causal mask with padding): each band then takes its rows of the mask.
+    the keys up to each band's last row, skipping the masked upper triangle (`_BandedDropoutAttention`):
+    for GPT-2's 12 heads at B=4 x 256, forward and backward with dropout took 23 ms a layer here against
+    36 ms for the whole square. That covers no mask, and a boolean mask that attends to no later position
+    (transformers' causal mask with padding): each band then takes its rows of the mask.
     """
     seq_len, total = query.shape[-2], key.shape[-2]
     if (
@@ -369,19 +369,7 @@ def cpu_dropout_attention(
         and seq_len >= 2 * ATTENTION_BAND
         and (attention_mask is None or attends_to_no_later_position(attention_mask))
     ):
-        future = torch.ones(ATTENTION_BAND, ATTENTION_BAND, dtype=torch.bool, device=query.device).triu(1)
-        bands = []
-        for start in range(0, seq_len, ATTENTION_BAND):
-            stop = min(start + ATTENTION_BAND, seq_len)
-            scores = torch.matmul(query[:, :, start:stop], key[:, :, :stop].transpose(-1, -2)).mul_(scaling)
-            if attention_mask is None:
-                scores[..., start:].masked_fill_(future[: stop - start, : stop - start], float("-inf"))
-                weights = F.softmax(scores, dim=-1)
-            else:
-                scores.masked_fill_(~attention_mask[..., start:stop, :stop], float("-inf"))
-                weights = torch._safe_softmax(scores, -1)
-            bands.append(_dropout_and_values(weights, value[:, :, :stop], dropout))
-        return torch.cat(bands, dim=1), None  # (B, T, H, D)
+        return _BandedDropoutAttention.apply(query, key, value, attention_mask, scaling, dropout), None
     scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)  # (B, H, T, S)
     if attention_mask is None:
         if seq_len > 1:  # causal: every query keeps at least its own position
@@ -395,6 +383,80 @@ def cpu_dropout_attention(
             scores = scores.add_(attention_mask)
         weights = torch._safe_softmax(scores, -1)
     return _dropout_and_values(weights, value, dropout), None
+
+
+class _BandedDropoutAttention(torch.autograd.Function):
+    """Causal attention with dropout, `ATTENTION_BAND` query rows at a time against the keys up to each
+    band's last row, with a backward written out per band (`cpu_dropout_attention`).
+
+    Autograd through the same ops per band spent a quarter of the time outside the products: each band's
+    slices of the queries, keys and values got zero-filled gradients that were then summed, and each 4-D
+    `matmul` of the (B, T, 3, H, D) projections copied its operands (GPT-2, B=4 x 256, interleaved: 32.0
+    ms a layer, forward and backward, against 23.7 ms this way). Here queries, keys and values are copied
+    once to (B*H, T, D); the backward writes each band's query gradient into place and adds the key and
+    value gradients in (a `baddbmm_` into those views ran one matrix product per batch entry, slower).
+    Saved per band: its softmax probabilities and keep mask
+    (a byte an element). The same draws as autograd through `_dropout_and_values` would make, one keep
+    mask per band, and the same values to rounding (tests/test_performance.py)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,  # (B, H, T, D)
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,  # None (causal) or boolean, attending to no later position
+        scaling: float,
+        p: float,
+    ) -> torch.Tensor:
+        batch, heads, length, dim = query.shape
+        q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
+        hidden = None if attention_mask is None else ~attention_mask
+        future = torch.ones(ATTENTION_BAND, ATTENTION_BAND, dtype=torch.bool, device=query.device).triu(1)
+        out = query.new_empty(batch, length, heads, dim)
+        saved = []
+        for start in range(0, length, ATTENTION_BAND):
+            stop = min(start + ATTENTION_BAND, length)
+            rows = stop - start
+            scores = torch.bmm(q[:, start:stop], k[:, :stop].transpose(1, 2)).mul_(scaling)
+            if hidden is None:
+                scores[..., start:].masked_fill_(future[:rows, :rows], float("-inf"))
+                probs = F.softmax(scores, dim=-1)
+            else:
+                scores.view(batch, heads, rows, stop).masked_fill_(
+                    hidden[..., start:stop, :stop], float("-inf")
+                )
+                probs = torch._safe_softmax(scores, -1)
+            keep = keep_mask((batch, heads, rows, stop), p, query.device).view(batch * heads, rows, stop)
+            band = torch.bmm(masked_scale(probs, keep, 1.0 / (1.0 - p)), v[:, :stop])
+            out[:, start:stop] = band.view(batch, heads, rows, dim).transpose(1, 2)
+            saved += [probs, keep]
+        ctx.save_for_backward(q, k, v, *saved)
+        ctx.shape, ctx.scaling, ctx.p = query.shape, scaling, p
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, *saved = ctx.saved_tensors
+        batch, heads, length, dim = ctx.shape
+        scale = 1.0 / (1.0 - ctx.p)
+        grad = grad_out.transpose(1, 2).reshape(batch * heads, length, dim)
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        for band, start in enumerate(range(0, length, ATTENTION_BAND)):
+            stop = min(start + ATTENTION_BAND, length)
+            probs, keep = saved[2 * band], saved[2 * band + 1]
+            grad_v[:, :stop] += torch.bmm(
+                masked_scale(probs, keep, scale).transpose(1, 2), grad[:, start:stop]
+            )
+            grad_probs = masked_scale(
+                torch.bmm(grad[:, start:stop], v[:, :stop].transpose(1, 2)), keep, scale
+            )
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(ctx.scaling)
+            grad_q[:, start:stop] = torch.bmm(grad_scores, k[:, :stop])
+            grad_k[:, :stop] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:stop])
+        shape = (batch, heads, length, dim)
+        return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
 
 
 def _dropout_and_values(weights: torch.Tensor, value: torch.Tensor, p: float) -> torch.Tensor:

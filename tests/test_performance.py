@@ -446,6 +446,25 @@ def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
+def test_cpu_dropout_attention_in_bands_runs_in_bfloat16():
+    """Under bfloat16 autocast the projections are bfloat16: the bands' products, softmax and hand-written
+    backward run in bfloat16, with float32 attention's values and gradients to bfloat16 precision."""
+    q, k, v = attention_inputs(length=150)
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    got, _ = cpu_dropout_attention(torch.nn.Module(), *low, None, scaling=0.3, dropout=0.2)
+    assert got.dtype == torch.bfloat16
+    torch.manual_seed(5)
+    expected, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+    upstream = torch.randn(expected.shape)
+    grads = torch.autograd.grad(got.float().mul(upstream).sum(), low)
+    expected_grads = torch.autograd.grad(expected.mul(upstream).sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), e, atol=6e-2, rtol=6e-2)
+
+
 @pytest.mark.parametrize("prefix", [0, 100])
 def test_cpu_dropout_attention_takes_any_boolean_mask(prefix):
     """A boolean mask over 150 positions: causal with a padded row (bands), or also attending to later
