@@ -395,8 +395,10 @@ class _BandedDropoutAttention(torch.autograd.Function):
     ms a layer, forward and backward, against 23.7 ms this way). Here queries, keys and values are copied
     once to (B*H, T, D); the backward writes each band's query gradient into place and adds the key and
     value gradients in (a `baddbmm_` into those views ran one matrix product per batch entry, slower).
-    Saved per band: its softmax probabilities and keep mask
-    (a byte an element). The same draws as autograd through `_dropout_and_values` would make, one keep
+    Saved: the inputs, and per band its softmax probabilities and keep mask (a byte an element); the
+    backward copies the inputs to (B*H, T, D) again. A backward that builds a graph (`create_graph=True`)
+    recomputes the bands with autograd's ops instead (`_differentiable_band_grads`), so second
+    derivatives are right. The same draws as autograd through `_dropout_and_values` would make, one keep
     mask per band, and the same values to rounding (tests/test_performance.py)."""
 
     @staticmethod
@@ -431,14 +433,20 @@ class _BandedDropoutAttention(torch.autograd.Function):
             band = torch.bmm(masked_scale(probs, keep, 1.0 / (1.0 - p)), v[:, :stop])
             out[:, start:stop] = band.view(batch, heads, rows, dim).transpose(1, 2)
             saved += [probs, keep]
-        ctx.save_for_backward(q, k, v, *saved)
-        ctx.shape, ctx.scaling, ctx.p = query.shape, scaling, p
+        ctx.save_for_backward(query, key, value, *saved)
+        ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, *saved = ctx.saved_tensors
-        batch, heads, length, dim = ctx.shape
+        query, key, value, *saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            keeps = saved[1::2]
+            return _differentiable_band_grads(
+                query, key, value, ctx.mask, ctx.scaling, ctx.p, keeps, grad_out
+            )
+        batch, heads, length, dim = query.shape
+        q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
         scale = 1.0 / (1.0 - ctx.p)
         grad = grad_out.transpose(1, 2).reshape(batch * heads, length, dim)
         grad_q = torch.empty_like(q)
@@ -457,6 +465,39 @@ class _BandedDropoutAttention(torch.autograd.Function):
             grad_k[:, :stop] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:stop])
         shape = (batch, heads, length, dim)
         return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
+
+
+def _differentiable_band_grads(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    p: float,
+    keeps: list[torch.Tensor],
+    grad_out: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """`_BandedDropoutAttention`'s gradients for a backward with `create_graph=True`: the bands recomputed
+    with autograd's ops and the saved keep masks, differentiated so that second derivatives are taken
+    through them (the hand-written backward's saved probabilities are not connected to the inputs)."""
+    batch, heads, length, _ = query.shape
+    with torch.enable_grad():
+        bands = []
+        for band, start in enumerate(range(0, length, ATTENTION_BAND)):
+            stop = min(start + ATTENTION_BAND, length)
+            scores = torch.matmul(query[:, :, start:stop], key[:, :, :stop].transpose(-1, -2)) * scaling
+            if attention_mask is None:
+                visible = torch.ones(stop - start, stop, dtype=torch.bool, device=query.device).tril(start)
+                probs = F.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            else:
+                probs = torch._safe_softmax(
+                    scores.masked_fill(~attention_mask[..., start:stop, :stop], float("-inf")), -1
+                )
+            keep = keeps[band].view(batch, heads, stop - start, stop)
+            bands.append(torch.matmul(masked_scale(probs, keep, 1.0 / (1.0 - p)), value[:, :, :stop]))
+        out = torch.cat(bands, dim=2).transpose(1, 2)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out, create_graph=True, allow_unused=True)
+    return (*grads, None, None, None)
 
 
 def _dropout_and_values(weights: torch.Tensor, value: torch.Tensor, p: float) -> torch.Tensor:

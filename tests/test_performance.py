@@ -446,6 +446,27 @@ def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
+def test_cpu_dropout_attention_in_bands_has_the_second_derivatives_of_the_plain_formula():
+    """A backward with create_graph=True (a gradient penalty) differentiates the bands through
+    autograd's ops with the same keep masks: second derivatives equal the plain formula's."""
+    q, k, v = (t.detach().double().requires_grad_() for t in attention_inputs(length=150))
+    torch.manual_seed(5)
+    got, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
+    torch.manual_seed(5)
+    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
+    for start, stop in ((0, 64), (64, 128), (128, 150)):
+        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    causal = torch.ones(150, 150, dtype=torch.bool).tril()
+    probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
+    expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
+    penalties = []
+    for out in (got, expected):
+        first = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        penalties.append(torch.autograd.grad(sum(g.square().sum() for g in first), (q, k, v)))
+    for g, e in zip(*penalties, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-9, rtol=1e-9)
+
+
 def test_cpu_dropout_attention_in_bands_runs_in_bfloat16():
     """Under bfloat16 autocast the projections are bfloat16: the bands' products, softmax and hand-written
     backward run in bfloat16, with float32 attention's values and gradients to bfloat16 precision."""
