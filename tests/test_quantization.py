@@ -41,8 +41,9 @@ def test_bfloat16_copy_uses_linear_layers_and_stays_close(model):
     lowp = quantize_for_decoding(model, torch.bfloat16)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.dtype == torch.bfloat16 for p in lowp.parameters())
-    linears = [m for m in lowp.modules() if type(m) is torch.nn.Linear]
+    linears = [m for m in lowp.modules() if type(m) is DecodingLinear]
     assert len(linears) == 4 * 2 + 1  # c_attn, c_proj, c_fc, mlp c_proj per block, and the LM head
+    assert lowp.lm_head.weight is lowp.transformer.wte.weight  # still tied
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         reference, got = model(ids).logits, lowp(ids).logits.float()
@@ -85,3 +86,29 @@ def test_float32_copy_gives_the_same_logits_and_tokens(model):
         assert torch.equal(fast.generate(ids, **kwargs), model.generate(ids, **kwargs))
         one = dict(attention_mask=mask[:1], max_new_tokens=8, do_sample=False)
         assert torch.equal(fast.generate(ids[:1], **one), model.generate(ids[:1], **one))
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])
+def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkeypatch):
+    """bfloat16 products go through oneDNN's linear op without gradients (values as `F.linear`'s, which
+    runs oneDNN too), and through `F.linear` with them or with oneDNN products switched off."""
+    from hfgpt.modeling import modeling_hfgpt
+
+    if modeling_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN")
+    calls, op = [], modeling_hfgpt._ONEDNN_LINEAR
+    monkeypatch.setattr(
+        modeling_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(x.shape) or op(x, *args)
+    )
+    torch.manual_seed(0)
+    layer = DecodingLinear(48, 80).to(torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        got = layer(x)
+        assert len(calls) == 1
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+        with modeling_hfgpt.onednn_products(False):
+            layer(x)
+    assert len(calls) == 1
+    assert layer(x).requires_grad and len(calls) == 1  # autograd: F.linear
