@@ -433,16 +433,23 @@ def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
+def band_keep_masks(seed: int) -> torch.Tensor:
+    """The keep masks that `cpu_dropout_attention` draws after `torch.manual_seed(seed)` for 2 x 3 heads
+    of 150 positions (bands of 64 query rows, p = 0.2), as one (2, 3, 150, 150) mask."""
+    torch.manual_seed(seed)
+    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
+    for start, stop in ((0, 64), (64, 128), (128, 150)):
+        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    return keep
+
+
 def test_cpu_dropout_attention_in_bands_is_sdpa_with_the_drawn_masks():
     """From 128 positions on, causal attention without a mask runs in bands of 64 query rows, drawing
     one keep mask per band over the keys that band sees."""
     q, k, v = attention_inputs(length=150)
     torch.manual_seed(5)
     got, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
-    torch.manual_seed(5)
-    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
-    for start, stop in ((0, 64), (64, 128), (128, 150)):
-        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    keep = band_keep_masks(seed=5)
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
@@ -452,10 +459,7 @@ def test_cpu_dropout_attention_in_bands_has_the_second_derivatives_of_the_plain_
     q, k, v = (t.detach().double().requires_grad_() for t in attention_inputs(length=150))
     torch.manual_seed(5)
     got, _ = cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, dropout=0.2)
-    torch.manual_seed(5)
-    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
-    for start, stop in ((0, 64), (64, 128), (128, 150)):
-        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    keep = band_keep_masks(seed=5)
     causal = torch.ones(150, 150, dtype=torch.bool).tril()
     probs = F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")), dim=-1)
     expected = ((probs * keep / 0.8) @ v).transpose(1, 2)
