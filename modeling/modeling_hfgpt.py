@@ -148,13 +148,14 @@ def use_onednn_products(enabled: bool) -> bool:
 
 @contextlib.contextmanager
 def onednn_products(enabled: bool) -> Iterator[bool]:
-    """`use_onednn_products(enabled)` for the block, the previous setting restored after it; yields
+    """`use_onednn_products(enabled)` for the block, the previous setting restored after it as it was
+    (not re-checked against oneDNN's availability, which a test may have patched meanwhile); yields
     whether oneDNN runs in it (False without oneDNN whatever `enabled`)."""
     previous = use_onednn_products(enabled)
     try:
         yield _cpu_products["onednn"]
     finally:
-        use_onednn_products(previous)
+        _cpu_products["onednn"] = previous
 
 
 def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:

@@ -42,6 +42,17 @@ def keep_freed_memory_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+@pytest.fixture(autouse=True)
+def cpu_products_setting_restored():
+    """Every test leaves `use_onednn_products` as it found it: a leaked False would run every later test
+    in the process on MKL alone (one did, until session 8)."""
+    from hfgpt.modeling import modeling_hfgpt
+
+    before = dict(modeling_hfgpt._cpu_products)
+    yield
+    assert modeling_hfgpt._cpu_products == before, "the test left use_onednn_products changed"
+
+
 @pytest.fixture(params=["onednn", "mkl"])
 def cpu_products(request):
     """Runs a test with hfgpt's float32 CPU products through oneDNN (the default) and through MKL's

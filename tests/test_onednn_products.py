@@ -112,10 +112,14 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
 
 
 def test_use_onednn_products_stays_off_without_onednn(monkeypatch):
+    before = modeling_hfgpt._cpu_products["onednn"]
     monkeypatch.setattr(modeling_hfgpt, "_ONEDNN_LINEAR", None)
     with modeling_hfgpt.onednn_products(True) as runs_onednn:
         assert runs_onednn is False
         assert not onednn_products_apply(torch.randn(4, 8), torch.randn(8, 3))
+    # Restored as it was, though oneDNN is still patched away here: a leak would switch oneDNN off for
+    # every later test in the process (it did, until session 8).
+    assert modeling_hfgpt._cpu_products["onednn"] == before
 
 
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
