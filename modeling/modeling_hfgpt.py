@@ -161,23 +161,43 @@ def onednn_products(enabled: bool) -> Iterator[bool]:
 def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
     compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
-    matrix-vector kernel); never while oneDNN is switched off (`torch.backends.mkldnn.flags(enabled=False)`).
-    The compile check comes first: torch.compile cannot trace the flag's lookup."""
+    matrix-vector kernel), where `onednn_runs_here`."""
+    return (
+        onednn_runs_here(x)
+        and x.dtype == torch.float32
+        and all(p.dtype == torch.float32 for p in params)
+        and x.numel() >= 2 * x.shape[-1]
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def onednn_runs_here(x: torch.Tensor) -> bool:
+    """Whether hfgpt may call oneDNN's linear op on `x` at all, whatever the dtype: products on oneDNN
+    (`use_onednn_products`), a CPU tensor, outside a compiled graph or a TorchScript trace, and oneDNN not
+    switched off (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's
+    lookup, which torch.compile cannot trace."""
     return (
         _cpu_products["onednn"]
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and all(p.dtype == torch.float32 for p in params)
-        and x.numel() >= 2 * x.shape[-1]
-        and not torch.is_autocast_enabled("cpu")
         and torch._C._get_mkldnn_enabled()
     )
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run forward or forward-pre hooks (its own or global ones): a path that
+    computes its work without calling it must then step aside."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or _global_forward_hooks
+        or _global_forward_pre_hooks
+    )
 
 
 def onednn_mm(
@@ -251,10 +271,7 @@ class GPTConv1D(Conv1D):
             post_op is None
             or not onednn_products_apply(x, self.weight, self.bias)
             or needs_grad(x, self.weight, self.bias)
-            or self._forward_hooks
-            or self._forward_pre_hooks
-            or _global_forward_hooks
-            or _global_forward_pre_hooks
+            or has_forward_hooks(self)
         ):
             return None
         out = onednn_mm(x.reshape(-1, x.shape[-1]), self.weight.t(), self.bias, post_op)
@@ -604,26 +621,22 @@ def append_to_cache(
         return cache.update(key, value, layer_idx)
     layer = layers[layer_idx]
     batch, heads, new, dim = key.shape
+    length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.numel() else 0
     buffers = layer.__dict__.get("_hfgpt_buffers")
-    length = 0
-    if layer.is_initialized and buffers is not None and _views_of(buffers, (layer.keys, layer.values)):
-        length = layer.keys.shape[-2]
-    else:
-        buffers = None
     if (
         buffers is None
+        or not layer.is_initialized
+        or not _views_of(buffers, (layer.keys, layer.values))
         or length + new > buffers[0].shape[-2]
         or buffers[0].shape[:2] != (batch, heads)
         or buffers[0].dtype != key.dtype
         or (buffers[0].is_inference() and not torch.is_inference_mode_enabled())
     ):
-        old = (layer.keys, layer.values) if layer.is_initialized and layer.keys.numel() else None
-        length = old[0].shape[-2] if old is not None else 0
         needed = length + new
         capacity = -(-(needed + max(CACHE_GROWTH_MIN, needed // 4)) // CACHE_GROWTH_MIN) * CACHE_GROWTH_MIN
         buffers = tuple(key.new_empty(batch, heads, capacity, dim) for _ in range(2))
-        if old is not None:
-            for buffer, states in zip(buffers, old, strict=True):
+        if length:
+            for buffer, states in zip(buffers, (layer.keys, layer.values), strict=True):
                 buffer[:, :, :length].copy_(states)
         layer.__dict__["_hfgpt_buffers"] = buffers
     buffers[0][:, :, length : length + new].copy_(key)
@@ -1282,10 +1295,7 @@ class GPTPreTrainedModel(PreTrainedModel):
             or wte.weight is not head_weight
             or not head_weight.requires_grad
             or vocab_product_dtype(head_weight, head_weight) is None
-            or wte._forward_hooks
-            or wte._forward_pre_hooks
-            or _global_forward_hooks
-            or _global_forward_pre_hooks
+            or has_forward_hooks(wte)
             or (wte.padding_idx, wte.max_norm, wte.scale_grad_by_freq, wte.sparse)
             != (None, None, False, False)
         ):

@@ -15,8 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from . import modeling_hfgpt
-from .modeling_hfgpt import FEW_ROWS, GPTPreTrainedModel, fast_product_applies, few_rows_product, needs_grad
+from .modeling_hfgpt import (
+    FEW_ROWS,
+    GPTPreTrainedModel,
+    fast_product_applies,
+    few_rows_product,
+    needs_grad,
+    onednn_mm,
+    onednn_runs_here,
+)
 
 
 class DecodingLinear(nn.Linear):
@@ -34,7 +41,7 @@ class DecodingLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows > 0 and _bfloat16_onednn_applies(x, self.weight, self.bias):
-            out = modeling_hfgpt.onednn_mm(x.reshape(rows, -1), self.weight, self.bias)
+            out = onednn_mm(x.reshape(rows, -1), self.weight, self.bias)
             return out.view(*x.shape[:-1], -1)
         if not (0 < rows <= FEW_ROWS and fast_product_applies(x, self.weight)):
             return F.linear(x, self.weight, self.bias)
@@ -45,19 +52,13 @@ class DecodingLinear(nn.Linear):
 
 
 def _bfloat16_onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """bfloat16 CPU tensors without gradients, outside compiled graphs and TorchScript traces, where torch
-    has oneDNN and neither `use_onednn_products(False)` nor `torch.backends.mkldnn.flags(enabled=False)`
-    turned it off."""
+    """bfloat16 tensors without gradients, where `onednn_runs_here` (which `use_onednn_products(False)` and
+    `torch.backends.mkldnn.flags(enabled=False)` turn off)."""
     return (
-        modeling_hfgpt._cpu_products["onednn"]
-        and modeling_hfgpt._ONEDNN_LINEAR is not None
-        and x.device.type == "cpu"
+        onednn_runs_here(x)
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and not needs_grad(x, weight, *([] if bias is None else [bias]))
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and torch._C._get_mkldnn_enabled()
     )
 
 
