@@ -98,6 +98,7 @@ TRICKY = [
     "U.S.A. e.g. i.e. Mr. Dr. St. etc. (parens) [brackets] {braces} a/b\\c *stars* |pipes| __under__",
     "_start_ _delimiter_ _classify_ are plain text until they are added",
     "İstanbul ΣΊΣΥΦΟΣ straße ǅ",
+    "<unk>",  # the whole text equal to the unknown token (found by hypothesis): still text, as in the original
 ]
 
 
@@ -138,6 +139,13 @@ def test_finetune_tokens_have_the_original_ids() -> None:
     for k, mc in ((1, "mc_ids_0"), (2, "mc_ids_1")):
         ids = tokenizer(f"_start_{texts[0]}_delimiter_{texts[k]}_classify_")["input_ids"]
         assert ids == expected[mc].tolist()
+    # "<unk>" stays text between added tokens, in ids and in offsets.
+    unk_ids = _shared()[1].encode("<unk>")
+    for offsets in (False, True):
+        encoded = tokenizer("_start_<unk>_classify_", return_offsets_mapping=offsets)
+        assert encoded["input_ids"] == [40478, *unk_ids, 40480]
+    assert encoded["offset_mapping"][0] == (0, 7) and encoded["offset_mapping"][-1] == (12, 22)
+    assert tokenizer.tokenize("_start_<unk>") == ["_start_", *tokenizer.convert_ids_to_tokens(unk_ids)]
     # Added later through the method, the same ids.
     later = GPT1Tokenizer()
     assert later.finetune_token_ids == {}

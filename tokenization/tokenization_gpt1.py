@@ -286,12 +286,18 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         pattern = "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
         return [chunk for chunk in re.split(pattern, text) if chunk]
 
+    def _added_id(self, chunk: str, split_special_tokens: bool) -> int | None:
+        """The id of a chunk of `_chunks` that is one added token, else None (``<unk>`` is text)."""
+        if split_special_tokens or chunk == str(self.unk_token):
+            return None
+        return self._added_tokens_encoder.get(chunk)
+
     def tokenize(self, text: str, **kwargs: Any) -> list[str]:
         split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
         text, kwargs = self.prepare_for_tokenization(text, **kwargs)
         pieces: list[str] = []
         for chunk in self._chunks(text, split_special_tokens):
-            is_added = chunk in self._added_tokens_encoder and not split_special_tokens
+            is_added = self._added_id(chunk, split_special_tokens) is not None
             pieces.extend([chunk] if is_added else self._tokenize(chunk))
         return pieces
 
@@ -299,8 +305,9 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         """Ids and character spans of one text, splitting out added tokens as ``tokenize`` does."""
         ids, offsets, start = [], [], 0
         for chunk in self._chunks(text, split_special_tokens):
-            if chunk in self._added_tokens_encoder and not split_special_tokens:
-                ids.append(self._added_tokens_encoder[chunk])
+            added_id = self._added_id(chunk, split_special_tokens)
+            if added_id is not None:
+                ids.append(added_id)
                 offsets.append((start, start + len(chunk)))
             else:
                 pieces, spans = self._pieces(chunk, with_offsets=True)
