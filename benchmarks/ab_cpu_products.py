@@ -30,7 +30,7 @@ from bench_model import (
     publish,
 )
 
-from hfgpt.modeling import modeling_hfgpt
+from hfgpt.modeling import ops_hfgpt
 
 BACKENDS = ("onednn", "mkl")
 
@@ -39,7 +39,7 @@ def on(backend: str, fn) -> Any:
     """`fn` run with hfgpt's products on `backend`."""
 
     def run() -> Any:
-        with modeling_hfgpt.onednn_products(backend == "onednn"):
+        with ops_hfgpt.onednn_products(backend == "onednn"):
             return fn()
 
     return run
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="timed repeats per case (default 7; tiny 2)")
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if modeling_hfgpt._ONEDNN_LINEAR is None:
+    if ops_hfgpt._ONEDNN_LINEAR is None:
         print("error: this torch build has no oneDNN: nothing to compare", file=sys.stderr)
         return 2
     report = run(args.tiny, args.family, args.repeats)

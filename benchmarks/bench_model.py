@@ -47,7 +47,7 @@ from transformers import (
 )
 from transformers import logging as hf_logging
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, ops_hfgpt
 from hfgpt.modeling.cpu_runtime import keep_freed_memory
 from hfgpt.modeling.interop import to_transformers, to_transformers_config
 from hfgpt.modeling.quantization import quantize_for_decoding
@@ -170,9 +170,9 @@ def matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], A
     machine's matmul rate is the best of them: on this project's AMD CPU oneDNN's float32 rate is the
     higher, so an MFU against MKL's alone would flatter hfgpt."""
     kernels = {"torch.mm": lambda: a @ b}
-    if a.device.type == "cpu" and a.dtype == torch.float32 and modeling_hfgpt._ONEDNN_LINEAR is not None:
+    if a.device.type == "cpu" and a.dtype == torch.float32 and ops_hfgpt._ONEDNN_LINEAR is not None:
         b_t = b.t().contiguous()
-        kernels["onednn"] = lambda: modeling_hfgpt.onednn_mm(a, b_t)
+        kernels["onednn"] = lambda: ops_hfgpt.onednn_mm(a, b_t)
     return kernels
 
 
@@ -600,7 +600,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("keep_freed"):
         keep_freed_memory()
-    modeling_hfgpt.use_onednn_products(spec.get("onednn", True))
+    ops_hfgpt.use_onednn_products(spec.get("onednn", True))
     rss_after_imports = _reset_peak_rss()
     config = our_config(family, profile["model_overrides"])
     torch.manual_seed(0)
@@ -739,7 +739,7 @@ def run(
     `addmm`, as transformers' run (`use_onednn_products(False)`)."""
     hf_logging.set_verbosity_error()
     # The setting for this run only; `onednn` becomes what hfgpt's products run on.
-    with modeling_hfgpt.onednn_products(onednn) as onednn:
+    with ops_hfgpt.onednn_products(onednn) as onednn:
         if keep_freed and not keep_freed_memory():
             raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

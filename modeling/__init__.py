@@ -21,9 +21,8 @@ from .modeling_hfgpt import (
     GPTForTokenClassification,
     GPTModel,
     GPTPreTrainedModel,
-    onednn_products,
-    use_onednn_products,
 )
+from .ops_hfgpt import onednn_products, use_onednn_products
 
 AutoConfig.register(GPTConfig.model_type, GPTConfig, exist_ok=True)
 for _auto, _model in (

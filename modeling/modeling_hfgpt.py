@@ -5,17 +5,17 @@ base, the base model, then the heads. Module names equal the keys of OpenAI's GP
 transformers' `GPT2LMHeadModel` (`transformer.h.{i}.attn.c_attn`, ...), and linear weights keep their
 Conv1D layout `[in, out]`, so converting a checkpoint is a table, not a rename.
 
-This file imports only torch, transformers and its sibling `configuration_hfgpt.py`, so that
-`save_pretrained` can copy both next to a checkpoint for `trust_remote_code=True` users.
+The computations that make the layers fast (oneDNN products, banded attention, dropout masks, cache
+appends, the LM head's loss) live in `ops_hfgpt.py`, each named after the plain expression it replaces;
+this file says what the model computes. It imports only torch, transformers and those two siblings
+(with `configuration_hfgpt.py`), so that `save_pretrained` can copy all three next to a checkpoint for
+`trust_remote_code=True` users.
 """
 
-import contextlib
-import math
 import os
 import re
 import shutil
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules.module import _global_forward_hooks
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -43,14 +42,32 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_hfgpt import GPTConfig
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    # The tanh GELU of both originals (GPT-1 train.py `gelu`, GPT-2 model.py `gelu`), as one fused kernel
-    # instead of the ~8 element-wise ops of transformers' `gelu_new`: same values to float precision,
-    # less time and no saved intermediates in training.
-    return F.gelu(x, approximate="tanh")
-
+from .ops_hfgpt import (
+    IN_PLACE,
+    ONEDNN_ACTIVATIONS,
+    TiedHeadGradient,
+    _OneDNNConv1D,
+    _TiedEmbedding,
+    append_to_cache,
+    banded_attention_applies,
+    cpu_banded_attention,
+    cpu_dropout_attention,
+    dropout,
+    fast_dropout_applies,
+    gelu_tanh,
+    has_forward_hooks,
+    inference_autocast_dtype,
+    lm_logits_and_loss,
+    needs_grad,
+    onednn_mm,
+    onednn_products,
+    onednn_products_apply,
+    project_to_vocab,
+    use_onednn_products,
+    vocab_product_dtype,
+    weighted_lm_loss,
+    workspace,
+)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_tanh,
@@ -60,181 +77,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
 }
-# Each of those functions overwriting its input, for the MLP when nothing else can hold that input: the
-# 4E-wide activation then needs no fresh buffer (GPT-2 B=1x512 prefill: ~4% faster on this CPU).
-IN_PLACE: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
-    gelu_tanh: lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
-    F.gelu: torch.ops.aten.gelu_,
-    F.relu: torch.relu_,
-    F.silu: lambda x: F.silu(x, inplace=True),
-}
-
-
-# Activations oneDNN applies inside the product that feeds them (`GPTConv1D.activated`), as (post-op,
-# algorithm): its tanh GELU agrees with `gelu_tanh` to float rounding (2.4e-7 at most on GPT-2 MLP inputs).
-ONEDNN_ACTIVATIONS: dict[Callable, tuple[str, str]] = {
-    gelu_tanh: ("gelu", "tanh"),
-    F.gelu: ("gelu", "none"),
-    F.relu: ("relu", ""),
-}
-
-
-_workspaces = threading.local()
-
-
-def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scratch tensor of `shape`, from one buffer per thread, dtype and device that grows to the
-    largest size asked for and is kept (GPT-2 124M: 6.3 MB of bfloat16, a block of `CAST_BLOCK_ROWS`
-    rows of the LM head). The next call on the same thread overwrites it: for values used at once.
-
-    On the CPU the first writes to freshly allocated memory are what a weight cast costs: GPT-1's
-    40478 x 768 head to bfloat16 took 22 ms here into a fresh tensor against 2.9 ms into an existing
-    one. A bfloat16-autocast prefill of GPT-1 (1 x 512) took 242-276 ms with its casts into a
-    workspace against 267-297 ms with autocast's fresh copies; the page faults per forward fell from
-    20,000-57,000 to the 10,000 of writing the logits."""
-    key = (dtype, device)
-    numel = math.prod(shape)
-    buffer = _workspaces.__dict__.get(key)
-    if buffer is None or buffer.numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor, writable outside inference mode too
-            buffer = _workspaces.__dict__[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel].view(shape)
-
-
-def inference_autocast_dtype(x: torch.Tensor, *params: torch.Tensor) -> torch.dtype | None:
-    """bfloat16 inside CPU autocast to bfloat16 where nothing needs a gradient and the parameters are
-    float32 (inference, evaluation), else None: then a product may cast its weight into `workspace`,
-    since autograd saves no cast for backward."""
-    if not (
-        x.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and all(p.dtype == torch.float32 for p in params)
-        and not torch.compiler.is_compiling()
-    ):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)):
-        return None
-    return torch.bfloat16
-
-
-def _find_onednn_linear() -> Callable | None:
-    """oneDNN's fp32/bf16 linear product (`mkldnn::_linear_pointwise`, the op torch.compile's CPU backend
-    emits), where this torch build has oneDNN (x86-64 wheels do), else None."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _find_onednn_linear()
-_cpu_products = {"onednn": _ONEDNN_LINEAR is not None}
-
-
-def use_onednn_products(enabled: bool) -> bool:
-    """Run the float32 CPU products of hfgpt's linear layers through oneDNN (the default where torch has
-    it) or, with False, through `torch.addmm` (MKL's sgemm, what transformers' `Conv1D` runs). Returns
-    the previous setting; process-wide.
-
-    On this project's AMD EPYC machine oneDNN ran GPT-2's products 1.1-1.6x as fast as MKL, and twice
-    as fast at the 8 rows of a batched decoding step (the twelve layers: 22-24 vs 44-49 ms). Values
-    equal `addmm`'s to float rounding (a different summation order), not bit for bit."""
-    previous = _cpu_products["onednn"]
-    _cpu_products["onednn"] = bool(enabled) and _ONEDNN_LINEAR is not None
-    return previous
-
-
-@contextlib.contextmanager
-def onednn_products(enabled: bool) -> Iterator[bool]:
-    """`use_onednn_products(enabled)` for the block, the previous setting restored after it as it was
-    (not re-checked against oneDNN's availability, which a test may have patched meanwhile); yields
-    whether oneDNN runs in it (False without oneDNN whatever `enabled`)."""
-    previous = use_onednn_products(enabled)
-    try:
-        yield _cpu_products["onednn"]
-    finally:
-        _cpu_products["onednn"] = previous
-
-
-def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
-    compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
-    matrix-vector kernel), where `onednn_runs_here`."""
-    return (
-        onednn_runs_here(x)
-        and x.dtype == torch.float32
-        and all(p.dtype == torch.float32 for p in params)
-        and x.numel() >= 2 * x.shape[-1]
-        and not torch.is_autocast_enabled("cpu")
-    )
-
-
-def onednn_runs_here(x: torch.Tensor) -> bool:
-    """Whether hfgpt may call oneDNN's linear op on `x` at all, whatever the dtype: products on oneDNN
-    (`use_onednn_products`), a CPU tensor, outside a compiled graph or a TorchScript trace, and oneDNN not
-    switched off (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's
-    lookup, which torch.compile cannot trace."""
-    return (
-        _cpu_products["onednn"]
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and x.device.type == "cpu"
-        and torch._C._get_mkldnn_enabled()
-    )
-
-
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def has_forward_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run forward or forward-pre hooks (its own or global ones): a path that
-    computes its work without calling it must then step aside."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or _global_forward_hooks
-        or _global_forward_pre_hooks
-    )
-
-
-def onednn_mm(
-    x: torch.Tensor,
-    weight_t: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    post_op: tuple[str, str] = ("none", ""),
-) -> torch.Tensor:
-    """`x @ weight_t.T + bias` for a 2-D `x` `[N, in]` and `weight_t` `[out, in]` (any strides), by oneDNN,
-    then `post_op` (oneDNN's name and algorithm of an element-wise function applied as each output block is
-    written: `ONEDNN_ACTIVATIONS`); no gradient (the op has no derivative: `_OneDNNConv1D` and the head's
-    functions call it)."""
-    return _ONEDNN_LINEAR(x, weight_t, bias, post_op[0], [], post_op[1])
-
-
-class _OneDNNConv1D(torch.autograd.Function):
-    """`x @ weight + bias` (`weight` `[in, out]`) and its gradients, each product by oneDNN. A backward
-    that builds a graph itself (`create_graph=True`, for second derivatives) runs torch's differentiable
-    products instead."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return onednn_mm(x, weight.t(), bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        differentiable = torch.is_grad_enabled()
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad @ weight.t() if differentiable else onednn_mm(grad, weight)
-        if ctx.needs_input_grad[1]:
-            grad_weight = x.t() @ grad if differentiable else onednn_mm(x.t(), grad.t())
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0)
-        return grad_x, grad_weight, grad_bias
 
 
 class GPTConv1D(Conv1D):
@@ -298,366 +140,11 @@ def eager_attention_forward(
     return output, weights
 
 
-def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
-    """Bernoulli(1 - p) keep mask for dropout, drawn as 32-bit integers from the default generator.
-
-    On the CPU, `bernoulli_` costs ~4.4 ns an element (~7% of a GPT-2 training step went to dropout's
-    sampling and scaling); two 32-bit draws cut from each 64-bit `randint` word cost ~1.5 ns. An element
-    is dropped when its draw falls in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33.
-    Seeded by `torch.manual_seed` like any other draw (the stream differs from `F.dropout`'s).
-    """
-    n = math.prod(shape)
-    words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=device)
-    draws = words.view(torch.int32)[:n].view(shape)
-    # The highest threshold, 2^31 - 1, keeps 1 in 2^32: a larger Python int would wrap in the comparison.
-    return draws >= min(-(2**31) + round(p * 2**32), 2**31 - 1)
-
-
-class _MaskedScale(torch.autograd.Function):
-    """`x * keep / (1 - p)`, saving the keep mask as one byte an element (F.dropout saves 4)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return masked_scale(x, keep, scale)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (keep,) = ctx.saved_tensors
-        return masked_scale(grad, keep, ctx.scale), None, None
-
-
-def masked_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    # The boolean mask read as its bytes (0 or 1): float x uint8 runs in one kernel, where float x bool
-    # first converts the mask to float (12.6 MB of GPT-2 attention weights: 0.86 vs 1.43 ms here).
-    return x.mul(keep.view(torch.uint8)).mul_(scale)
-
-
-def fast_dropout_applies(x: torch.Tensor, p: float, training: bool) -> bool:
-    # CUDA's fused dropout is already fast; compiled graphs fuse F.dropout themselves.
-    return training and 0.0 < p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """`F.dropout(x, p, training)`: same distribution, faster and leaner on the CPU (`keep_mask`)."""
-    if not fast_dropout_applies(x, p, training):
-        return F.dropout(x, p, training)
-    return _MaskedScale.apply(x, keep_mask(x.shape, p, x.device), 1.0 / (1.0 - p))
-
-
 class GPTDropout(nn.Dropout):
     """`nn.Dropout` (so code that finds dropout modules by type still does) running `dropout` above."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training)
-
-
-# Query rows at a time in causal CPU attention (`cpu_dropout_attention`, `cpu_banded_attention`).
-ATTENTION_BAND = 64
-
-
-def cpu_dropout_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Training attention with dropout on the CPU, in place of sdpa.
-
-    With dropout, torch's CPU sdpa leaves its fused kernel for the same sequence of ops as here, but
-    samples the mask with `bernoulli_` and saves it as float32; this runs `keep_mask` and saves a byte
-    mask. Masks are those transformers builds for sdpa: None (causal when T > 1) or boolean (True =
-    attend), or an additive float mask. As in sdpa, a query row with nothing to attend to (a left-padding
-    position) gets zero weights (`torch._safe_softmax`, the softmax sdpa's own math path uses).
-
-    Causal self-attention over 128 positions or more runs `ATTENTION_BAND` query rows at a time against
-    the keys up to each band's last row, skipping the masked upper triangle (`_BandedDropoutAttention`):
-    for GPT-2's 12 heads at B=4 x 256, forward and backward with dropout took 23 ms a layer here against
-    36 ms for the whole square. That covers no mask, and a boolean mask that attends to no later position
-    (transformers' causal mask with padding): each band then takes its rows of the mask.
-    """
-    seq_len, total = query.shape[-2], key.shape[-2]
-    if (
-        seq_len == total
-        and seq_len >= 2 * ATTENTION_BAND
-        and (attention_mask is None or attends_to_no_later_position(attention_mask))
-    ):
-        return _BandedDropoutAttention.apply(query, key, value, attention_mask, scaling, dropout), None
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)  # (B, H, T, S)
-    if attention_mask is None:
-        if seq_len > 1:  # causal: every query keeps at least its own position
-            causal = torch.ones(seq_len, total, dtype=torch.bool, device=scores.device).tril(total - seq_len)
-            scores = scores.masked_fill_(~causal, float("-inf"))
-        weights = F.softmax(scores, dim=-1)
-    else:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~attention_mask, float("-inf"))
-        else:
-            scores = scores.add_(attention_mask)
-        weights = torch._safe_softmax(scores, -1)
-    return _dropout_and_values(weights, value, dropout), None
-
-
-class _BandedDropoutAttention(torch.autograd.Function):
-    """Causal attention with dropout, `ATTENTION_BAND` query rows at a time against the keys up to each
-    band's last row, with a backward written out per band (`cpu_dropout_attention`).
-
-    Autograd through the same ops per band spent a quarter of the time outside the products: each band's
-    slices of the queries, keys and values got zero-filled gradients that were then summed, and each 4-D
-    `matmul` of the (B, T, 3, H, D) projections copied its operands (GPT-2, B=4 x 256, interleaved: 32.0
-    ms a layer, forward and backward, against 23.7 ms this way). Here queries, keys and values are copied
-    once to (B*H, T, D); the backward writes each band's query gradient into place and adds the key and
-    value gradients in (a `baddbmm_` into those views ran one matrix product per batch entry, slower).
-    Saved: the inputs, and per band its softmax probabilities and keep mask (a byte an element); the
-    backward copies the inputs to (B*H, T, D) again. A backward that builds a graph (`create_graph=True`)
-    recomputes the bands with autograd's ops instead (`_differentiable_band_grads`), so second
-    derivatives are right. The same draws as autograd through `_dropout_and_values` would make, one keep
-    mask per band, and the same values to rounding (tests/test_performance.py)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        query: torch.Tensor,  # (B, H, T, D)
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,  # None (causal) or boolean, attending to no later position
-        scaling: float,
-        p: float,
-    ) -> torch.Tensor:
-        batch, heads, length, dim = query.shape
-        q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
-        hidden = None if attention_mask is None else ~attention_mask
-        future = torch.ones(ATTENTION_BAND, ATTENTION_BAND, dtype=torch.bool, device=query.device).triu(1)
-        out = query.new_empty(batch, length, heads, dim)
-        saved = []
-        for start in range(0, length, ATTENTION_BAND):
-            stop = min(start + ATTENTION_BAND, length)
-            rows = stop - start
-            scores = torch.bmm(q[:, start:stop], k[:, :stop].transpose(1, 2)).mul_(scaling)
-            if hidden is None:
-                scores[..., start:].masked_fill_(future[:rows, :rows], float("-inf"))
-                probs = F.softmax(scores, dim=-1)
-            else:
-                scores.view(batch, heads, rows, stop).masked_fill_(
-                    hidden[..., start:stop, :stop], float("-inf")
-                )
-                probs = torch._safe_softmax(scores, -1)
-            keep = keep_mask((batch, heads, rows, stop), p, query.device).view(batch * heads, rows, stop)
-            band = torch.bmm(masked_scale(probs, keep, 1.0 / (1.0 - p)), v[:, :stop])
-            out[:, start:stop] = band.view(batch, heads, rows, dim).transpose(1, 2)
-            saved += [probs, keep]
-        ctx.save_for_backward(query, key, value, *saved)
-        ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, *saved = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
-            keeps = saved[1::2]
-            return _differentiable_band_grads(
-                query, key, value, ctx.mask, ctx.scaling, ctx.p, keeps, grad_out
-            )
-        batch, heads, length, dim = query.shape
-        q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
-        scale = 1.0 / (1.0 - ctx.p)
-        grad = grad_out.transpose(1, 2).reshape(batch * heads, length, dim)
-        grad_q = torch.empty_like(q)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for band, start in enumerate(range(0, length, ATTENTION_BAND)):
-            stop = min(start + ATTENTION_BAND, length)
-            probs, keep = saved[2 * band], saved[2 * band + 1]
-            grad_v[:, :stop] += torch.bmm(
-                masked_scale(probs, keep, scale).transpose(1, 2), grad[:, start:stop]
-            )
-            grad_probs = masked_scale(
-                torch.bmm(grad[:, start:stop], v[:, :stop].transpose(1, 2)), keep, scale
-            )
-            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(ctx.scaling)
-            grad_q[:, start:stop] = torch.bmm(grad_scores, k[:, :stop])
-            grad_k[:, :stop] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:stop])
-        shape = (batch, heads, length, dim)
-        return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
-
-
-def _differentiable_band_grads(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    p: float,
-    keeps: list[torch.Tensor],
-    grad_out: torch.Tensor,
-) -> tuple[torch.Tensor | None, ...]:
-    """`_BandedDropoutAttention`'s gradients for a backward with `create_graph=True`: the bands recomputed
-    with autograd's ops and the saved keep masks, differentiated so that second derivatives are taken
-    through them (the hand-written backward's saved probabilities are not connected to the inputs)."""
-    batch, heads, length, _ = query.shape
-    with torch.enable_grad():
-        bands = []
-        for band, start in enumerate(range(0, length, ATTENTION_BAND)):
-            stop = min(start + ATTENTION_BAND, length)
-            scores = torch.matmul(query[:, :, start:stop], key[:, :, :stop].transpose(-1, -2)) * scaling
-            if attention_mask is None:
-                visible = torch.ones(stop - start, stop, dtype=torch.bool, device=query.device).tril(start)
-                probs = F.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-            else:
-                probs = torch._safe_softmax(
-                    scores.masked_fill(~attention_mask[..., start:stop, :stop], float("-inf")), -1
-                )
-            keep = keeps[band].view(batch, heads, stop - start, stop)
-            bands.append(torch.matmul(masked_scale(probs, keep, 1.0 / (1.0 - p)), value[:, :, :stop]))
-        out = torch.cat(bands, dim=2).transpose(1, 2)
-    grads = torch.autograd.grad(out, (query, key, value), grad_out, create_graph=True, allow_unused=True)
-    return (*grads, None, None, None)
-
-
-def _dropout_and_values(weights: torch.Tensor, value: torch.Tensor, p: float) -> torch.Tensor:
-    """dropout(weights) @ value, as (B, T, H, D), the mask drawn by `keep_mask`."""
-    weights = _MaskedScale.apply(weights, keep_mask(weights.shape, p, weights.device), 1.0 / (1.0 - p))
-    return torch.matmul(weights, value).transpose(1, 2)
-
-
-def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> bool:
-    """Whether `cpu_banded_attention` stands in for sdpa: causal self-attention over 128-767 positions
-    (no cached keys; no mask, or a boolean one that attends to no later position) in float32 or
-    bfloat16 (a bfloat16 model, or inside autocast) on the CPU, without autograd, outside compiled
-    graphs."""
-    length = query.shape[-2]
-    return (
-        key.shape[-2] == length
-        and 2 * ATTENTION_BAND <= length < 768
-        and query.dtype in (torch.float32, torch.bfloat16)
-        and query.device.type == "cpu"
-        and not query.requires_grad
-        and not torch.compiler.is_compiling()
-        and (attention_mask is None or attends_to_no_later_position(attention_mask))
-    )
-
-
-def attends_to_no_later_position(attention_mask: torch.Tensor) -> bool:
-    """Whether a boolean (..., T, T) mask is causal: transformers' sdpa mask with padding is; a custom
-    4D mask may not be, and then attention takes the whole square."""
-    return attention_mask.dtype == torch.bool and not attention_mask.triu(1).any()
-
-
-def cpu_banded_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal sdpa run `ATTENTION_BAND` query rows at a time, each band against the keys up to its last
-    row (and its rows of a causal boolean mask, where there is one), written straight into the
-    (B, T, H, D) output.
-
-    Below 768 positions torch's CPU flash-attention kernel is ~25% slower on the causal square than on
-    these bands (12 heads of 64, 1 x 512 positions: 3.8 vs 5.0 ms here, float32; 3.5 vs 4.9 ms in
-    bfloat16; from 768 positions on, where the kernel takes larger blocks, it is about as fast as the
-    bands). Each query row sees exactly the keys it sees in one causal call, so the values agree to
-    rounding (tests/test_performance.py).
-    """
-    batch, heads, length, dim = query.shape
-    output = query.new_empty(batch, length, heads, dim)
-    if attention_mask is None:
-        attention_mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-    for start in range(0, length, ATTENTION_BAND):
-        stop = min(start + ATTENTION_BAND, length)
-        band = F.scaled_dot_product_attention(
-            query[:, :, start:stop],
-            key[:, :, :stop],
-            value[:, :, :stop],
-            attn_mask=attention_mask[..., start:stop, :stop],
-            scale=scaling,
-        )
-        output[:, start:stop] = band.transpose(1, 2)
-    return output, None
-
-
-# Spare positions a `DynamicCache` layer's buffers get when `append_to_cache` grows them: a quarter of the
-# length needed, at least `CACHE_GROWTH_MIN`, rounded up to a multiple of it.
-CACHE_GROWTH_MIN = 64
-
-
-def append_to_cache(
-    cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int
-) -> tuple[torch.Tensor, ...]:
-    """`cache.update(key, value, layer_idx)`: the keys and values so far, the new ones appended.
-
-    transformers' `DynamicCache` (the cache `generate()` makes) appends with `torch.cat`, copying the whole
-    cache of every layer at every step, a cost that grows with the batch and the length. GPT-2 124M greedy
-    decoding here, interleaved A/B: 43.4 vs 51.7 ms a step at B=4 over 64+896 positions, 54.6 vs 56.1 ms at
-    B=8 over 64+128, 13.7 vs 14.4 ms for the int8 copy at B=1; the same tokens. Here a `DynamicLayer` keeps
-    its keys and values in buffers with spare positions, writes each step's into the next free positions
-    and exposes the filled part as views (`layer.keys`, `layer.values`); a full buffer is replaced by one
-    a quarter larger. What transformers' own methods do to a layer (`crop`, beam-search `reorder_cache`,
-    `batch_select_indices`, `reset`) keeps working: they leave either a shorter view of the buffer
-    (taken up from its length) or a new tensor (copied into a new buffer at the next append).
-
-    `cache.update` itself runs for any other cache or layer kind, an offloading cache, under torch.compile,
-    and where the new keys need a gradient (autograd must keep every step's tensors intact). One
-    difference from `torch.cat`: a tensor taken from `layer.keys` earlier shows the new values if the
-    cache is cropped and appended to again, as a `StaticCache`'s would.
-    """
-    layers = getattr(cache, "layers", ())
-    if (
-        type(cache) is not DynamicCache
-        or cache.offloading
-        or layer_idx >= len(layers)
-        or type(layers[layer_idx]) is not DynamicLayer
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad))
-    ):
-        return cache.update(key, value, layer_idx)
-    layer = layers[layer_idx]
-    batch, heads, new, dim = key.shape
-    length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.numel() else 0
-    buffers = layer.__dict__.get("_hfgpt_buffers")
-    if (
-        buffers is None
-        or not layer.is_initialized
-        or not _views_of(buffers, (layer.keys, layer.values))
-        or length + new > buffers[0].shape[-2]
-        or buffers[0].shape[:2] != (batch, heads)
-        or buffers[0].dtype != key.dtype
-        or (buffers[0].is_inference() and not torch.is_inference_mode_enabled())
-    ):
-        needed = length + new
-        capacity = -(-(needed + max(CACHE_GROWTH_MIN, needed // 4)) // CACHE_GROWTH_MIN) * CACHE_GROWTH_MIN
-        buffers = tuple(key.new_empty(batch, heads, capacity, dim) for _ in range(2))
-        if length:
-            for buffer, states in zip(buffers, (layer.keys, layer.values), strict=True):
-                buffer[:, :, :length].copy_(states)
-        layer.__dict__["_hfgpt_buffers"] = buffers
-    buffers[0][:, :, length : length + new].copy_(key)
-    buffers[1][:, :, length : length + new].copy_(value)
-    if not layer.is_initialized:
-        layer.dtype, layer.device, layer.is_initialized = key.dtype, key.device, True
-    layer.keys, layer.values = (buffer[:, :, : length + new] for buffer in buffers)
-    return layer.keys, layer.values
-
-
-def _views_of(buffers: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether each of `tensors` is a leading part (along positions) of the matching buffer."""
-    return all(
-        t.data_ptr() == b.data_ptr()
-        and t.stride() == b.stride()
-        and t.shape[:2] == b.shape[:2]
-        and t.shape[3:] == b.shape[3:]
-        and t.shape[2] <= b.shape[2]
-        and t.dtype == b.dtype
-        for b, t in zip(buffers, tensors, strict=True)
-    )
 
 
 class GPTAttention(nn.Module):
@@ -801,373 +288,6 @@ class GPTSequenceSummary(nn.Module):
         return self.activation(self.summary(self.first_dropout(output)))
 
 
-# Rows of a float32 weight cast at a time when `row_aligned_mm` multiplies it in a lower precision.
-CAST_BLOCK_ROWS = 4096
-
-
-def weight_blocks(
-    weight: torch.Tensor, dtype: torch.dtype, rows: int
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(start, stop, `weight[start:stop]` in `dtype`) for blocks of `rows` rows of `weight`: views where
-    `weight` has `dtype`, else casts into a `workspace` (the next block overwrites it), rather than one
-    fresh whole-weight copy as autocast makes (GPT-1's head, 512 rows: 55 vs 75 ms)."""
-    for start in range(0, len(weight), rows):
-        stop = min(start + rows, len(weight))
-        if weight.dtype == dtype:
-            yield start, stop, weight[start:stop]
-        else:
-            block = workspace((stop - start, weight.shape[1]), dtype, weight.device)
-            yield start, stop, block.copy_(weight[start:stop])
-
-
-def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` (contiguous
-    logits), else written into rows padded to a multiple of 64 elements, returning the unpadded view.
-
-    oneDNN ran GPT-2's head 1.25x as fast as MKL's row-aligned product here (512 and 1024 rows). MKL's
-    float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a 256-byte
-    boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
-    view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
-    A float32 `weight` with bfloat16 `hidden` is multiplied a block of `weight_blocks` at a time, with the
-    values of autocast's `F.linear`.
-    """
-    if hidden.dtype == weight.dtype and onednn_products_apply(hidden, weight):
-        return onednn_mm(hidden, weight)
-    vocab = weight.shape[0]
-    buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
-    logits = buffer[:, :vocab]
-    if weight.dtype == hidden.dtype:
-        return torch.mm(hidden, weight.T, out=logits)
-    for start, stop, block in weight_blocks(weight, hidden.dtype, CAST_BLOCK_ROWS):
-        torch.mm(hidden, block.T, out=logits[:, start:stop])
-    return logits
-
-
-class _RowAlignedLinear(torch.autograd.Function):
-    """`row_aligned_mm` with the gradients of `F.linear(hidden, weight)`."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(hidden, weight)
-        return row_aligned_mm(hidden, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        hidden, weight = ctx.saved_tensors
-        if onednn_products_apply(grad, weight) and not torch.is_grad_enabled():  # no create_graph=True
-            grad_hidden = onednn_mm(grad, weight.T) if ctx.needs_input_grad[0] else None
-            grad_weight = onednn_mm(grad.T, hidden.T) if ctx.needs_input_grad[1] else None
-        else:
-            grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-            grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight
-
-
-def vocab_product_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
-    """The dtype in which this file computes `hidden @ weight.T` for the vocabulary itself
-    (`project_to_vocab`, `_LinearCrossEntropy`), or None where the plain ops run: float32 hidden states
-    and weights on the CPU, outside compiled graphs, compute in float32, or in bfloat16 inside
-    `torch.autocast("cpu", dtype=torch.bfloat16)`, where `F.linear` would run in bfloat16 too."""
-    if not (
-        weight.device.type == "cpu"
-        and weight.dtype == hidden.dtype == torch.float32
-        and not torch.compiler.is_compiling()
-    ):
-        return None
-    if not torch.is_autocast_enabled("cpu"):
-        return torch.float32
-    return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
-
-
-def fast_product_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this file computes `hidden @ weight.T` itself in float32 (`vocab_product_dtype`)."""
-    return vocab_product_dtype(hidden, weight) == torch.float32
-
-
-# Up to this many rows (a decoding step), a product with a weight runs as `few_rows_product`.
-FEW_ROWS = 16
-ONEDNN_FEW_ROWS = 4
-
-
-def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
-    `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
-    2-4x slower (GPT-2's 50257 x 768 head: 4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
-    benchmarks/RESULTS.md). From `ONEDNN_FEW_ROWS` rows on, oneDNN's product where it applies (8 rows:
-    9.4 vs 16 ms), without gradients. Contiguous (rows, out)."""
-    rows = len(flat)
-    if rows >= ONEDNN_FEW_ROWS and onednn_products_apply(flat, weight) and not needs_grad(flat, weight):
-        return onednn_mm(flat, weight)
-    columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
-    return torch.mm(weight, columns.T)[:, :rows].T.contiguous()
-
-
-def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dtype | None:
-    """`vocab_product_dtype` for a plain `nn.Linear` head without bias; None (`head(...)`) for others."""
-    if type(head) is not nn.Linear or head.bias is not None:
-        return None
-    return vocab_product_dtype(hidden_states, head.weight)
-
-
-def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
-    """`head(hidden_states)`, computed faster where `head_product_dtype` names a dtype.
-
-    - 1-`FEW_ROWS` rows (a decoding step): `few_rows_product` (MKL's matrix-vector kernel reads GPT-2's
-      tall 50257 x 768 head at ~16 GB/s). Under CPU bfloat16 autocast too, from the float32 weight,
-      the logits then rounded to bfloat16 (autocast's dtype): autocast would first cast the whole head
-      to bfloat16 and, for a (B, 1, E) input, multiply through a batched copy of it (GPT-2, one row:
-      4 ms against 123 ms here).
-    - More rows (prefill): `row_aligned_mm`, in float32, or under autocast in bfloat16 from the float32
-      weight a block at a time; under autocast with gradients, `head(...)`.
-    Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
-    """
-    dtype = head_product_dtype(hidden_states, head)
-    rows = hidden_states.numel() // hidden_states.shape[-1]
-    if dtype is None:
-        return head(hidden_states)
-    if (
-        dtype != torch.float32
-        and rows > FEW_ROWS
-        and inference_autocast_dtype(hidden_states, head.weight) is None
-    ):
-        return head(hidden_states)  # autograd saves autocast's cast of the head for backward
-    flat = hidden_states.reshape(rows, -1)
-    if rows > FEW_ROWS and dtype == torch.float32:
-        return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)
-    if rows > FEW_ROWS:
-        return row_aligned_mm(flat.to(dtype), head.weight).view(*hidden_states.shape[:-1], -1)
-    with torch.autocast("cpu", enabled=False):
-        logits = few_rows_product(flat, head.weight).to(dtype)
-    return logits.view(*hidden_states.shape[:-1], -1)
-
-
-def subtract_per_row(x: torch.Tensor, row_values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`torch.sub(x, row_values, out=out)` for float32 `out` and `row_values`, `x` float32 or bfloat16.
-    From bfloat16, `torch.sub` converts on a slow path (1024 x 4096 logits: 1.44 ms here, against
-    0.37 ms for a copy then an in-place subtraction)."""
-    if x.dtype == out.dtype:
-        return torch.sub(x, row_values, out=out)
-    return out.copy_(x).sub_(row_values)
-
-
-def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
-    """`torch.logsumexp(logits, dim=-1)` for (N, V) logits, `rows_at_once` rows at a time through one
-    reused buffer (16 x 50257 floats: 3.2 MB). Chunks of `torch.logsumexp` allocate a fresh temporary
-    each, paid again in page faults on the CPU: for 1,024 rows of GPT-2 logits, 28 ms and 750 faults
-    here against 39 ms and 6,250 faults in 128-row chunks. Computed, and returned, in float32 (also for
-    bfloat16 logits)."""
-    lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    buffer = logits.new_empty(min(rows_at_once, len(logits)), logits.shape[1], dtype=torch.float32)
-    for start in range(0, len(logits), rows_at_once):
-        chunk = logits[start : start + rows_at_once]
-        peak = chunk.amax(dim=-1, keepdim=True).float()  # float32, so that the difference below is too
-        peak.masked_fill_(~peak.isfinite(), 0.0)  # rows of -inf give -inf, a +inf gives +inf, as logsumexp
-        exps = subtract_per_row(chunk, peak, out=buffer[: len(chunk)]).exp_()
-        torch.add(exps.sum(dim=-1).log_(), peak.squeeze(1), out=lse[start : start + len(chunk)])
-    return lse
-
-
-class TiedHeadGradient:
-    """Carries the LM head's weight gradient from `_LinearCrossEntropy`'s backward to `_TiedEmbedding`'s, for
-    a head tied to the token embeddings (GPT-1 and GPT-2 share one V x E matrix): the embedding's backward
-    adds its rows into the head's gradient in place and returns the whole.
-
-    Autograd would instead build the embedding's gradient as a fresh zero-filled V x E tensor and sum the
-    two into a third: for GPT-2 two more 154 MB tensors written from fresh pages every training step
-    (37,700 page faults each). A GPT-2 124M float32 step (B=4x256) took 0.18 s less this way in a paired
-    A/B here (about 4%). The hand-over holds within one backward pass only (autograd's graph task): a
-    backward that runs the embedding without the head first computes the embedding's gradient as usual."""
-
-    def __init__(self) -> None:
-        self._grad: torch.Tensor | None = None
-        self._task: int | None = None
-
-    def hand_over(self, grad: torch.Tensor) -> None:
-        self._grad, self._task = grad, torch._C._current_graph_task_id()
-
-    def take(self) -> torch.Tensor | None:
-        grad, task = self._grad, self._task
-        self._grad = self._task = None
-        return grad if task is not None and task == torch._C._current_graph_task_id() else None
-
-
-class _TiedEmbedding(torch.autograd.Function):
-    """`F.embedding(ids, weight)`, whose weight gradient is accumulated into the tied head's
-    (`TiedHeadGradient`) when that head's backward handed one over in this backward pass."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, tied: TiedHeadGradient) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.tied, ctx.rows = tied, len(weight)
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None]:
-        (ids,) = ctx.saved_tensors
-        head_grad = ctx.tied.take()
-        if not ctx.needs_input_grad[1]:
-            return None, None, None
-        if head_grad is None or head_grad.dtype != grad.dtype:
-            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.rows, -1, False), None
-        return None, head_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1])), None
-
-
-HEAD_SLICE_ELEMENTS = 4 << 20  # 16 MB of float32 gradient at a time in `_LinearCrossEntropy`
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """(logits, sum over rows of row weight x token cross-entropy, / divisor) of `hidden @ weight.T`, for
-    `lm_logits_and_loss` and `weighted_lm_loss`.
-
-    Backward forms softmax - onehot a slice of the vocabulary at a time (~16 MB) and feeds each slice
-    straight into the two head products, so the full N x V gradient never exists. Saved: the logits
-    (which the caller holds anyway) and one log-sum-exp per row. `F.cross_entropy` on materialised
-    logits saves a log-softmax copy and builds two full N x V gradients (NLL's, then log-softmax's): for
-    GPT-2's head and loss over 1024 rows, forward and backward, the peak above the start was 406-457 MB
-    here against 627-630 MB, and the time 1.28-1.32 s against 1.48-1.50 s (benchmarks/RESULTS.md). A
-    gradient reaching the returned logits from other uses is added in.
-
-    The products run in `dtype` (`vocab_product_dtype`): float32, or bfloat16 under CPU autocast, as
-    autocast would run `F.linear` — bfloat16 logits, the softmax, loss and gradient sums in float32, and
-    float32 gradients for the float32 inputs. The weight is cast a block at a time (`weight_blocks`), so
-    no whole low-precision copy of the head is made or saved.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,  # (N, E) float32
-        weight: torch.Tensor,  # (V, E) float32
-        targets: torch.Tensor,  # (N,) token ids, 0 where not counted
-        row_weights: torch.Tensor,  # (N,) float weight of each row's loss, 0.0 where not counted
-        divisor: torch.Tensor,  # () the number the weighted sum is divided by
-        dtype: torch.dtype = torch.float32,  # of the products (and the logits)
-        tied: TiedHeadGradient | None = None,  # where `weight` is also the token embeddings'
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
-        ctx.tied = tied
-        hidden = hidden.to(dtype)  # no copy when dtype is float32
-        logits = row_aligned_mm(hidden, weight)  # (N, V); a float32 weight cast a block at a time
-        lse = log_sum_exp(logits)
-        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor)
-        return logits, ((lse - picked) * row_weights).sum() / divisor
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
-        hidden, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
-        rows, vocab = logits.shape
-        scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
-        float32 = hidden.dtype == torch.float32
-        onednn = onednn_products_apply(hidden, weight)  # float32 only; MKL's addmm_ / mm(out=) otherwise
-        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_weight = weight.new_empty(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
-        if not float32:  # each slice's weight is cast into the workspace, which keeps its largest size
-            width = min(width, CAST_BLOCK_ROWS)
-        row_ids = torch.arange(rows, device=logits.device)
-        # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
-        buffer = logits.new_empty(rows * width, dtype=torch.float32)
-        low = buffer if float32 else logits.new_empty(rows * width)
-        for start, stop, weight_slice in weight_blocks(weight, hidden.dtype, width):  # in the products' dtype
-            grad = buffer[: rows * (stop - start)].view(rows, stop - start)
-            subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
-            hit = (targets >= start) & (targets < stop)
-            grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
-            if grad_logits is not None:
-                grad += grad_logits[:, start:stop]
-            product = grad if float32 else low[: grad.numel()].view(grad.shape).copy_(grad)
-            if grad_hidden is not None:
-                if onednn:
-                    grad_hidden += onednn_mm(product, weight_slice.T)
-                elif float32:
-                    grad_hidden.addmm_(product, weight_slice)
-                else:  # addmm_ takes one dtype: the slices' sum stays float32
-                    grad_hidden += product @ weight_slice
-            if grad_weight is not None:
-                if onednn:
-                    grad_weight[start:stop] = onednn_mm(product.T, hidden.T)
-                elif float32:
-                    torch.mm(product.T, hidden, out=grad_weight[start:stop])
-                else:
-                    grad_weight[start:stop] = product.T @ hidden
-        if grad_weight is not None and ctx.tied is not None:
-            ctx.tied.hand_over(grad_weight)  # the embedding's backward adds its part and returns the sum
-            grad_weight = None
-        return grad_hidden, grad_weight, None, None, None, None, None
-
-
-def lm_logits_and_loss(
-    hidden_states: torch.Tensor,
-    head: nn.Module,
-    labels: torch.Tensor,
-    vocab_size: int,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    tied: TiedHeadGradient | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits = head(hidden_states)` and transformers' `ForCausalLMLoss(logits, labels, ...)`: the same
-    arguments and values (next-token cross-entropy, labels shifted inside, `ignore_index` skipped, mean
-    over the counted tokens or sum / `num_items_in_batch` for Trainer's gradient accumulation).
-    Where `head_product_dtype` names a dtype, both come from `_LinearCrossEntropy` (which hands the head's
-    weight gradient to `tied`, given one); elsewhere from the plain calls."""
-    rows = hidden_states.numel() // hidden_states.shape[-1]
-    dtype = head_product_dtype(hidden_states, head)
-    if dtype is None or rows <= FEW_ROWS:
-        logits = project_to_vocab(hidden_states, head)
-        return logits, ForCausalLMLoss(
-            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
-        )
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(hidden_states.device)
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if len(targets) != len(flat):
-        raise ValueError(
-            f"labels hold {len(targets)} positions but the logits {len(flat)} "
-            f"(labels shape {tuple((labels if labels is not None else shift_labels).shape)}, "
-            f"hidden states {tuple(hidden_states.shape[:-1])}; logits_to_keep cannot be used with labels)"
-        )
-    counted = targets != ignore_index
-    targets = targets.masked_fill(~counted, 0)
-    low, high = (int(t) for t in torch.aminmax(targets)) if len(targets) else (0, 0)
-    if low < 0 or high >= vocab_size:
-        raise ValueError(
-            f"labels contain {low if low < 0 else high}, neither a token id in [0, {vocab_size}) nor "
-            f"ignore_index {ignore_index}"
-        )
-    if num_items_in_batch is None:
-        divisor = counted.sum().to(flat.dtype)
-    else:
-        divisor = torch.as_tensor(num_items_in_batch, device=flat.device).to(flat.dtype)
-    logits, loss = _LinearCrossEntropy.apply(
-        flat, head.weight, targets, counted.to(flat.dtype), divisor, dtype, tied
-    )
-    return logits.view(*hidden_states.shape[:-1], -1), loss
-
-
-def weighted_lm_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    weights: torch.Tensor,
-    tied: TiedHeadGradient | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`logits = hidden @ weight.T`, the sum over rows of `weights` x the cross-entropy of `targets`),
-    for hidden (N, E), weight (V, E), targets and weights (N,). `_LinearCrossEntropy` where
-    `vocab_product_dtype` names a dtype, else `F.linear` and `F.cross_entropy`."""
-    dtype = vocab_product_dtype(hidden, weight)
-    if len(hidden) > FEW_ROWS and dtype is not None:
-        divisor = hidden.new_tensor(1.0)
-        return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), divisor, dtype, tied)
-    logits = F.linear(hidden, weight)
-    return logits, (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
-
-
 # Every head, for `config.auto_map` in saved checkpoints (trust_remote_code users load any of them).
 AUTO_MAP = {
     "AutoConfig": "configuration_hfgpt.GPTConfig",
@@ -1190,11 +310,15 @@ def record_every_head(config: GPTConfig) -> None:
     config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MAP}
 
 
+# The code files of a checkpoint for trust_remote_code users: the two `AUTO_MAP` names and what they import.
+REMOTE_CODE_FILES = ("configuration_hfgpt.py", "modeling_hfgpt.py", "ops_hfgpt.py")
+
+
 def copy_remote_code(save_directory: str | os.PathLike) -> None:
-    """Copy the two code files `AUTO_MAP` names next to a checkpoint (transformers copies them only for
-    classes with an Auto class of their own, which GPTDoubleHeadsModel lacks)."""
+    """Copy `REMOTE_CODE_FILES` next to a checkpoint (transformers copies them only for classes with an
+    Auto class of their own, which GPTDoubleHeadsModel lacks)."""
     here = Path(__file__).parent
-    for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
+    for name in REMOTE_CODE_FILES:
         shutil.copyfile(here / name, Path(save_directory) / name)
 
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .modeling_hfgpt import (
+from .modeling_hfgpt import GPTPreTrainedModel
+from .ops_hfgpt import (
     FEW_ROWS,
-    GPTPreTrainedModel,
     fast_product_applies,
     few_rows_product,
     needs_grad,

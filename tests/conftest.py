@@ -46,20 +46,20 @@ def keep_freed_memory_calls(monkeypatch) -> list[bool]:
 def cpu_products_setting_restored():
     """Every test leaves `use_onednn_products` as it found it: a leaked False would run every later test
     in the process on MKL alone (one did, until session 8)."""
-    from hfgpt.modeling import modeling_hfgpt
+    from hfgpt.modeling import ops_hfgpt
 
-    before = dict(modeling_hfgpt._cpu_products)
+    before = dict(ops_hfgpt._cpu_products)
     yield
-    assert modeling_hfgpt._cpu_products == before, "the test left use_onednn_products changed"
+    assert ops_hfgpt._cpu_products == before, "the test left use_onednn_products changed"
 
 
 @pytest.fixture(params=["onednn", "mkl"])
 def cpu_products(request):
     """Runs a test with hfgpt's float32 CPU products through oneDNN (the default) and through MKL's
     `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built without oneDNN."""
-    from hfgpt.modeling import modeling_hfgpt
+    from hfgpt.modeling import ops_hfgpt
 
-    if request.param == "onednn" and modeling_hfgpt._ONEDNN_LINEAR is None:
+    if request.param == "onednn" and ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
-    with modeling_hfgpt.onednn_products(request.param == "onednn"):
+    with ops_hfgpt.onednn_products(request.param == "onednn"):
         yield request.param

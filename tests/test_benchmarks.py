@@ -66,7 +66,7 @@ def test_figures_are_finite_and_positive(tiny_report):
     assert hw["matmul_flops_per_s"] > 0 and hw["read_bytes_per_s"] > 0
     # The fp32 matmul rate is the best of torch.mm's and (where torch has it) oneDNN's, hfgpt's kernel.
     by_kernel = hw["fp32_matmul_flops_per_s_by_kernel"]
-    onednn = bench_model.modeling_hfgpt._ONEDNN_LINEAR is not None
+    onednn = bench_model.ops_hfgpt._ONEDNN_LINEAR is not None
     assert set(by_kernel) == ({"torch.mm", "onednn"} if onednn else {"torch.mm"})
     assert hw["matmul_flops_per_s"] == max(by_kernel.values())
     assert tiny_report["machine"]["hfgpt_cpu_products"] == ("onednn" if onednn else "mkl")
@@ -164,36 +164,32 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
 
 
 def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, capsys):
-    from hfgpt.modeling import modeling_hfgpt
+    from hfgpt.modeling import ops_hfgpt
 
-    with modeling_hfgpt.onednn_products(True) as runs_onednn:
+    with ops_hfgpt.onednn_products(True) as runs_onednn:
         out = tmp_path / "mkl.json"
         argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--mkl-products", "--json", str(out)]
         assert bench_model.main(argv) == 0
         assert json.loads(out.read_text())["machine"]["hfgpt_cpu_products"] == "mkl"
         assert "through MKL (`--mkl-products`)" in capsys.readouterr().out.splitlines()[0]
-        assert (
-            modeling_hfgpt._cpu_products["onednn"]
-            == runs_onednn
-            == (modeling_hfgpt._ONEDNN_LINEAR is not None)
-        )
+        assert ops_hfgpt._cpu_products["onednn"] == runs_onednn == (ops_hfgpt._ONEDNN_LINEAR is not None)
 
 
 @pytest.mark.skipif(
-    bench_model.modeling_hfgpt._ONEDNN_LINEAR is None, reason="compares oneDNN with MKL: needs oneDNN"
+    bench_model.ops_hfgpt._ONEDNN_LINEAR is None, reason="compares oneDNN with MKL: needs oneDNN"
 )
 def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
     import ab_cpu_products
 
-    from hfgpt.modeling import modeling_hfgpt
+    from hfgpt.modeling import ops_hfgpt
 
-    with modeling_hfgpt.onednn_products(True):
+    with ops_hfgpt.onednn_products(True):
         assert ab_cpu_products.main(["--tiny", "--json", str(tmp_path / "ab.json")]) == 0
         # Each timed call runs on its own backend, and the setting is as it was after it.
-        setting = lambda: modeling_hfgpt._cpu_products["onednn"]  # noqa: E731
+        setting = lambda: ops_hfgpt._cpu_products["onednn"]  # noqa: E731
         assert ab_cpu_products.on("mkl", setting)() is False
         assert ab_cpu_products.on("onednn", setting)() is True
-        assert modeling_hfgpt._cpu_products["onednn"] is True
+        assert ops_hfgpt._cpu_products["onednn"] is True
     report = json.loads((tmp_path / "ab.json").read_text())
     cases = [row["case"] for row in report["rows"]]
     assert [c.split()[0] for c in cases] == ["prefill", "prefill", "decode", "decode", "train"]

@@ -199,6 +199,7 @@ def test_repo_holds_weights_config_code_tokenizer_generation_config_and_card(
         "tokenizer_config.json",
         "configuration_hfgpt.py",
         "modeling_hfgpt.py",
+        "ops_hfgpt.py",
         "README.md",
     ):
         assert name in files, name

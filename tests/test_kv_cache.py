@@ -1,4 +1,4 @@
-"""`append_to_cache` (modeling_hfgpt.py): appends to transformers' `DynamicCache` layers into buffers with spare
+"""`append_to_cache` (ops_hfgpt.py): appends to transformers' `DynamicCache` layers into buffers with spare
 positions instead of `torch.cat`, with the same keys and values as `DynamicCache.update` through everything
 transformers does to a cache (cropping, beam reordering, batch selection, reset)."""
 
@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicCache
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import append_to_cache
+from hfgpt.modeling.ops_hfgpt import append_to_cache
 
 TINY = dict(
     vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from hfgpt.modeling import (
     GPTModel,
 )
 from hfgpt.modeling.interop import from_transformers, to_transformers
+
+MODELING_DIR = Path(__file__).parent.parent / "modeling"
 
 VOCAB = 96
 TINY = dict(
@@ -367,7 +370,8 @@ def test_save_and_reload_through_auto_classes(tmp_path, auto, head):
         "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
     }  # fmt: skip
-    assert (tmp_path / "modeling_hfgpt.py").exists() and (tmp_path / "configuration_hfgpt.py").exists()
+    for name in ("configuration_hfgpt.py", "modeling_hfgpt.py", "ops_hfgpt.py"):
+        assert (tmp_path / name).read_text() == (MODELING_DIR / name).read_text(), name
     assert (tmp_path / "model.safetensors").exists()
     assert isinstance(AutoConfig.from_pretrained(tmp_path), GPTConfig)
     reloaded = auto.from_pretrained(tmp_path).eval()

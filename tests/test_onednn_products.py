@@ -1,4 +1,4 @@
-"""hfgpt's float32 CPU products through oneDNN (`use_onednn_products`, modeling_hfgpt.py): the same values
+"""hfgpt's float32 CPU products through oneDNN (`use_onednn_products`, ops_hfgpt.py): the same values
 and gradients as transformers' `Conv1D` / `F.linear` to float rounding, used where it applies and
 nowhere else."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_performance import conv1d_pair  # tests/ is on sys.path (pytest's default import mode)
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, ops_hfgpt
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import onednn_products_apply, use_onednn_products
+from hfgpt.modeling.ops_hfgpt import onednn_products_apply, use_onednn_products
 
 TINY = dict(
     vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
@@ -18,13 +18,13 @@ TINY = dict(
 @pytest.fixture
 def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The input shapes of every oneDNN product, recorded (and still computed)."""
-    if modeling_hfgpt._ONEDNN_LINEAR is None:
+    if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
-    calls, op = [], modeling_hfgpt._ONEDNN_LINEAR
+    calls, op = [], ops_hfgpt._ONEDNN_LINEAR
     monkeypatch.setattr(
-        modeling_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(tuple(x.shape)) or op(x, *args)
+        ops_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(tuple(x.shape)) or op(x, *args)
     )
-    with modeling_hfgpt.onednn_products(True):
+    with ops_hfgpt.onednn_products(True):
         yield calls
 
 
@@ -112,14 +112,14 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
 
 
 def test_use_onednn_products_stays_off_without_onednn(monkeypatch):
-    before = modeling_hfgpt._cpu_products["onednn"]
-    monkeypatch.setattr(modeling_hfgpt, "_ONEDNN_LINEAR", None)
-    with modeling_hfgpt.onednn_products(True) as runs_onednn:
+    before = ops_hfgpt._cpu_products["onednn"]
+    monkeypatch.setattr(ops_hfgpt, "_ONEDNN_LINEAR", None)
+    with ops_hfgpt.onednn_products(True) as runs_onednn:
         assert runs_onednn is False
         assert not onednn_products_apply(torch.randn(4, 8), torch.randn(8, 3))
     # Restored as it was, though oneDNN is still patched away here: a leak would switch oneDNN off for
     # every later test in the process (it did, until session 8).
-    assert modeling_hfgpt._cpu_products["onednn"] == before
+    assert ops_hfgpt._cpu_products["onednn"] == before
 
 
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
@@ -142,7 +142,7 @@ def test_lm_head_second_derivatives_equal_the_linear_heads(cpu_products):
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 500, bias=False)
     results = []
-    for fn in (modeling_hfgpt.project_to_vocab, lambda h, head: head(h)):
+    for fn in (ops_hfgpt.project_to_vocab, lambda h, head: head(h)):
         head.weight.grad = None
         hidden = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
         (grad,) = torch.autograd.grad(fn(hidden, head).square().sum(), hidden, create_graph=True)
@@ -160,11 +160,11 @@ def test_the_mlp_activation_runs_inside_the_onednn_product_without_autograd_or_h
 ):
     """c_fc's product applies the activation (a oneDNN post-op) in inference; with autograd, or with a hook on
     c_fc that must see its plain output, the activation runs separately. The logits agree either way."""
-    if modeling_hfgpt._ONEDNN_LINEAR is None:
+    if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
-    post_ops, op = [], modeling_hfgpt._ONEDNN_LINEAR
+    post_ops, op = [], ops_hfgpt._ONEDNN_LINEAR
     monkeypatch.setattr(
-        modeling_hfgpt,
+        ops_hfgpt,
         "_ONEDNN_LINEAR",
         lambda x, w, b, attr, scalars, algo: (
             post_ops.append((attr, algo)) or op(x, w, b, attr, scalars, algo)
@@ -173,7 +173,7 @@ def test_the_mlp_activation_runs_inside_the_onednn_product_without_autograd_or_h
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY, activation_function=activation_function)).eval()
     ids = torch.randint(0, 96, (2, 10))
-    with modeling_hfgpt.onednn_products(True):
+    with ops_hfgpt.onednn_products(True):
         expected = model(ids).logits  # autograd on: no fused activation
         assert post_ops.count(post_op) == 0 and len(post_ops) == 9
         post_ops.clear()

@@ -1,4 +1,4 @@
-"""The CPU speed-ups in modeling_hfgpt.py compute what the plain PyTorch / transformers code computes:
+"""The CPU speed-ups in ops_hfgpt.py (and the layers of modeling_hfgpt.py that call them) compute what the plain PyTorch / transformers code computes:
 the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`, `log_sum_exp`),
 dropout (`dropout`, `GPTDropout`, `masked_scale`), training attention with dropout
 (`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`), the in-place MLP
@@ -18,10 +18,11 @@ from hfgpt.modeling import (
     GPTForCausalLM,
     GPTForSequenceClassification,
     modeling_hfgpt,
+    ops_hfgpt,
 )
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import (
-    GPTConv1D,
+from hfgpt.modeling.modeling_hfgpt import GPTConv1D
+from hfgpt.modeling.ops_hfgpt import (
     banded_attention_applies,
     cpu_banded_attention,
     cpu_dropout_attention,
@@ -105,15 +106,15 @@ def test_project_to_vocab_without_gradients_under_bf16_autocast_casts_the_head_i
     rows at a time into one reused buffer, rather than as a whole fresh copy every forward: the logits
     are still exactly autocast's `F.linear`, also across block edges (500 rows in blocks of 128)."""
     torch.manual_seed(0)
-    monkeypatch.setattr(modeling_hfgpt, "CAST_BLOCK_ROWS", block_rows)
-    blocks, weight_blocks = [], modeling_hfgpt.weight_blocks
+    monkeypatch.setattr(ops_hfgpt, "CAST_BLOCK_ROWS", block_rows)
+    blocks, weight_blocks = [], ops_hfgpt.weight_blocks
 
     def recording_blocks(weight, dtype, rows):
         for start, stop, block in weight_blocks(weight, dtype, rows):
             blocks.append((stop - start, block.dtype))
             yield start, stop, block
 
-    monkeypatch.setattr(modeling_hfgpt, "weight_blocks", recording_blocks)
+    monkeypatch.setattr(ops_hfgpt, "weight_blocks", recording_blocks)
     head = torch.nn.Linear(32, 500, bias=False)
     hidden = torch.randn(2, 20, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -231,7 +232,7 @@ def head_and_loss_pair(
 def test_lm_logits_and_loss_equal_the_head_and_transformers_loss(
     kwargs, slice_elements, logits_weight, cpu_products, monkeypatch
 ):
-    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(ops_hfgpt, "HEAD_SLICE_ELEMENTS", slice_elements)
     torch.manual_seed(0)
     hidden = torch.randn(3, 9, 32) * 2
     labels = torch.randint(0, 500, (3, 9))
@@ -260,7 +261,7 @@ def test_lm_logits_and_loss_under_bf16_autocast_run_in_bf16_like_autocast_linear
     """Inside CPU autocast to bfloat16 the fused head computes in bfloat16, as autocast runs F.linear,
     rather than in float32 past autocast: bfloat16 logits, the loss and float32 gradients of autocast's
     F.linear + ForCausalLMLoss, to bfloat16's precision."""
-    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)  # four vocabulary slices
+    monkeypatch.setattr(ops_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)  # four vocabulary slices
     torch.manual_seed(0)
     hidden = torch.randn(3, 9, 32)
     labels = torch.randint(0, 500, (3, 9))
@@ -281,14 +282,14 @@ def test_lm_logits_and_loss_under_bf16_autocast_run_in_bf16_like_autocast_linear
 
 def test_weighted_lm_loss_under_bf16_autocast_matches_the_plain_ops(monkeypatch):
     """GPT-1's auxiliary LM loss (a weight per token) takes the same bfloat16 path under autocast."""
-    monkeypatch.setattr(modeling_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)
+    monkeypatch.setattr(ops_hfgpt, "HEAD_SLICE_ELEMENTS", 27 * 128)
     torch.manual_seed(0)
     hidden, weight = torch.randn(40, 32), torch.randn(500, 32)
     targets, token_weights = torch.randint(0, 500, (40,)), torch.rand(40)
     results = []
     for fused in (True, False):
         if not fused:  # F.linear and F.cross_entropy, as on any other device
-            monkeypatch.setattr(modeling_hfgpt, "vocab_product_dtype", lambda *args: None)
+            monkeypatch.setattr(ops_hfgpt, "vocab_product_dtype", lambda *args: None)
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, loss = weighted_lm_loss(h, w, targets, token_weights)
@@ -706,9 +707,9 @@ def test_tied_head_and_embedding_gradients_meet_in_place_and_equal_transformers(
     backward (`TiedHeadGradient`), which adds its rows into it: the gradients, the tied one included, are
     transformers' GPT2LMHeadModel / OpenAIGPTLMHeadModel's on the same weights."""
     handed = []
-    hand_over = modeling_hfgpt.TiedHeadGradient.hand_over
+    hand_over = ops_hfgpt.TiedHeadGradient.hand_over
     monkeypatch.setattr(
-        modeling_hfgpt.TiedHeadGradient,
+        ops_hfgpt.TiedHeadGradient,
         "hand_over",
         lambda self, grad: handed.append(grad.data_ptr()) or hand_over(self, grad),
     )
@@ -746,10 +747,10 @@ def test_tied_head_gradient_is_taken_only_in_the_backward_that_handed_it_over():
     running) is not added in; one handed over within the same pass is, in place."""
     weight = torch.zeros(10, 4, requires_grad=True)
     ids = torch.tensor([[1, 3, 1]])
-    tied = modeling_hfgpt.TiedHeadGradient()
+    tied = ops_hfgpt.TiedHeadGradient()
     stale = torch.full((10, 4), 100.0)
     tied.hand_over(stale)
-    modeling_hfgpt._TiedEmbedding.apply(ids, weight, tied).sum().backward()
+    ops_hfgpt._TiedEmbedding.apply(ids, weight, tied).sum().backward()
     expected = torch.zeros(10, 4)
     expected[1], expected[3] = 2.0, 1.0
     torch.testing.assert_close(weight.grad, expected)
@@ -765,7 +766,7 @@ def test_tied_head_gradient_is_taken_only_in_the_backward_that_handed_it_over():
             return grad
 
     weight.grad = None
-    HandOver.apply(modeling_hfgpt._TiedEmbedding.apply(ids, weight, tied)).sum().backward()
+    HandOver.apply(ops_hfgpt._TiedEmbedding.apply(ids, weight, tied)).sum().backward()
     torch.testing.assert_close(weight.grad, expected + 1.0)
 
 
@@ -799,9 +800,9 @@ def test_every_tied_lm_loss_hands_over_and_a_hooked_embedding_is_called_as_usual
     Both give the same gradients."""
     cls, overrides, inputs = tied_head_cases()[case]
     handed = []
-    hand_over = modeling_hfgpt.TiedHeadGradient.hand_over
+    hand_over = ops_hfgpt.TiedHeadGradient.hand_over
     monkeypatch.setattr(
-        modeling_hfgpt.TiedHeadGradient,
+        ops_hfgpt.TiedHeadGradient,
         "hand_over",
         lambda self, grad: handed.append(1) or hand_over(self, grad),
     )

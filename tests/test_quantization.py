@@ -92,14 +92,12 @@ def test_float32_copy_gives_the_same_logits_and_tokens(model):
 def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkeypatch):
     """bfloat16 products go through oneDNN's linear op without gradients (values as `F.linear`'s, which
     runs oneDNN too), and through `F.linear` with them or with oneDNN products switched off."""
-    from hfgpt.modeling import modeling_hfgpt
+    from hfgpt.modeling import ops_hfgpt
 
-    if modeling_hfgpt._ONEDNN_LINEAR is None:
+    if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
-    calls, op = [], modeling_hfgpt._ONEDNN_LINEAR
-    monkeypatch.setattr(
-        modeling_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(x.shape) or op(x, *args)
-    )
+    calls, op = [], ops_hfgpt._ONEDNN_LINEAR
+    monkeypatch.setattr(ops_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(x.shape) or op(x, *args))
     torch.manual_seed(0)
     layer = DecodingLinear(48, 80).to(torch.bfloat16)
     x = torch.randn(*shape, dtype=torch.bfloat16)
@@ -108,7 +106,7 @@ def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkey
         got = layer(x)
         assert len(calls) == 1
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
-        with modeling_hfgpt.onednn_products(False):
+        with ops_hfgpt.onednn_products(False):
             layer(x)
     assert len(calls) == 1
     assert layer(x).requires_grad and len(calls) == 1  # autograd: F.linear
