@@ -59,6 +59,7 @@ from .ops_hfgpt import (
     inference_autocast_dtype,
     lm_logits_and_loss,
     needs_grad,
+    one_row_conv1d,
     onednn_mm,
     onednn_products,
     onednn_products_apply,
@@ -87,6 +88,10 @@ class GPTConv1D(Conv1D):
     same cast, the same bfloat16 `addmm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:  # one row: a decoding step at batch size 1
+            out = one_row_conv1d(x.reshape(1, -1), self.weight, self.bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], self.nf)
         if onednn_products_apply(x, self.weight, self.bias):
             rows = x.reshape(-1, x.shape[-1])
             if needs_grad(x, self.weight, self.bias):

@@ -655,13 +655,75 @@ FEW_ROWS = 16
 ONEDNN_FEW_ROWS = 4
 
 
+def one_row_parts(x: torch.Tensor, *params: torch.Tensor | None) -> int:
+    """Into how many slices `one_row_product` and `one_row_conv1d` split a product of one row `x` with a
+    weight: one per intra-op thread, for float32 CPU tensors without gradients, outside autocast, compiled
+    graphs and TorchScript traces; 0 (no split) elsewhere or with a single thread. The compile check comes
+    first: torch.compile cannot trace the thread count."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return 0
+    tensors = [x, *(p for p in params if p is not None)]
+    if (
+        x.device.type != "cpu"
+        or any(t.dtype != torch.float32 for t in tensors)
+        or torch.is_autocast_enabled("cpu")
+        or needs_grad(*tensors)
+    ):
+        return 0
+    threads = torch.get_num_threads()
+    return threads if threads >= 2 else 0
+
+
+def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`flat @ weight.T` for one row `flat` (1, in) and an `[out, in]` weight, as one matrix-vector product
+    per thread, each over its slice of the weight's rows (`torch.bmm` over the slices); None where
+    `one_row_parts` gives no split.
+
+    A decoding step at batch size 1 streams every weight once, and MKL's matrix-vector kernel reads a
+    weight on one thread: GPT-2's 768 x 3072 and 3072 x 768 weights, not in cache, took 419 and 381 us
+    this way against 627 and 590 us for `few_rows_product`'s two-column product on this 2-core machine,
+    with the same values. Greedy decoding with the float32 copy (`quantize_for_decoding`) at batch size 1,
+    interleaved in one process: GPT-2 23.5 against 27.1 ms a step, GPT-1 19.1 against 25.9 ms, the same
+    tokens (benchmarks/RESULTS.md)."""
+    parts = one_row_parts(flat, weight)
+    if not parts:
+        return None
+    out, width = weight.shape
+    size = out // parts
+    column = flat.T.expand(parts, width, 1)  # (parts, in, 1), no copy
+    sliced = torch.bmm(weight[: size * parts].view(parts, size, width), column).view(1, size * parts)
+    if size * parts == out:
+        return sliced
+    return torch.cat([sliced, flat @ weight[size * parts :].T], dim=1)  # the rows left over
+
+
+def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread computing a
+    slice of the output columns (`torch.baddbmm` over column slices of the weight, no copy); None where
+    `one_row_parts` gives no split or the columns do not divide evenly. Conv1D's `addmm` reads the weight
+    on one thread here. Greedy decoding at batch size 1, interleaved in one process: GPT-2 29.4 against
+    33.3 ms a step, GPT-1 28.5 against 32.9 ms, the same tokens (benchmarks/RESULTS.md)."""
+    parts = one_row_parts(x, weight, bias)
+    width, out = weight.shape
+    if not parts or out % parts:
+        return None
+    slices = weight.view(width, parts, out // parts).transpose(0, 1)  # (parts, in, out / parts)
+    rows = x.expand(parts, 1, width)
+    if bias is None:
+        return torch.bmm(rows, slices).view(1, out)
+    return torch.baddbmm(bias.view(parts, 1, out // parts), rows, slices).view(1, out)
+
+
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
     `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
     2-4x slower (GPT-2's 50257 x 768 head: 4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
-    benchmarks/RESULTS.md). From `ONEDNN_FEW_ROWS` rows on, oneDNN's product where it applies (8 rows:
-    9.4 vs 16 ms), without gradients. Contiguous (rows, out)."""
+    benchmarks/RESULTS.md). One row is split between the threads where `one_row_product` applies; from
+    `ONEDNN_FEW_ROWS` rows on, oneDNN's product where it applies (8 rows: 9.4 vs 16 ms), without
+    gradients. Contiguous (rows, out)."""
     rows = len(flat)
+    if rows == 1 and (split := one_row_product(flat, weight)) is not None:
+        return split
     if rows >= ONEDNN_FEW_ROWS and onednn_products_apply(flat, weight) and not needs_grad(flat, weight):
         return onednn_mm(flat, weight)
     columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again

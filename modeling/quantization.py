@@ -32,7 +32,7 @@ class DecodingLinear(nn.Linear):
     - float32, 1-`FEW_ROWS` rows (a decoding step): `few_rows_product`, as `project_to_vocab` computes the
       LM head: MKL's one-row kernel for `F.linear` reads the weight ~1.3-1.8x slower (GPT-2's 768 x 2304
       / 768 x 3072 / 3072 x 768 weights, out of cache: 279 / 361 / 493 us for Conv1D's addmm against
-      152 / 221 / 357 us this way).
+      152 / 221 / 357 us this way); one row split between the threads (`one_row_product`).
     - bfloat16 without gradients: oneDNN's linear op (`_bfloat16_onednn_applies`), which read GPT-2's
       weights at one row faster than `F.linear`'s bfloat16 path (the 50257 x 768 head 4.9 against 7.1
       ms; 768 x 3072 308 against 397 us) with the same values (GPT-2 logits equal, greedy tokens equal).

@@ -31,6 +31,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def torch_threads(request):
+    """Runs a test on `request.param` intra-op threads (parametrize it with `indirect=True`): the one-row
+    products split their work by the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def keep_freed_memory_calls(monkeypatch) -> list[bool]:
     """The training command lines' `keep_freed_memory()` (a process-wide allocator setting) recorded,

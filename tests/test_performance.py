@@ -31,6 +31,9 @@ from hfgpt.modeling.ops_hfgpt import (
     lm_logits_and_loss,
     log_sum_exp,
     masked_scale,
+    one_row_conv1d,
+    one_row_parts,
+    one_row_product,
     project_to_vocab,
     weighted_lm_loss,
     workspace,
@@ -59,6 +62,74 @@ def test_project_to_vocab_equals_the_linear_head(rows, bias, cpu_products):
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, head.weight))
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("out", [96, 97, 500])  # divides among the threads, or leaves rows over
+def test_one_row_product_splits_the_weight_rows_between_threads(out, torch_threads, monkeypatch):
+    torch.manual_seed(0)
+    weight, x = torch.randn(out, 48), torch.randn(1, 48)
+    got = one_row_product(x, weight)
+    assert got.shape == (1, out) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    # The LM head at one row (a decoding step at batch size 1) takes it.
+    results = []
+    monkeypatch.setattr(
+        ops_hfgpt, "one_row_product", lambda *args: results.append(one_row_product(*args)) or results[-1]
+    )
+    head = torch.nn.Linear(48, out, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        torch.testing.assert_close(project_to_vocab(x[None], head)[0], got, atol=0, rtol=0)
+    assert len(results) == 1 and torch.equal(results[0], got)
+
+
+@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("out", [48, 45])  # 45 does not divide between two threads: Conv1D's addmm
+def test_conv1d_at_one_row_splits_its_columns_between_threads(out, torch_threads, monkeypatch):
+    torch.manual_seed(0)
+    theirs = Conv1D(out, 32)
+    torch.nn.init.normal_(theirs.bias)
+    ours = GPTConv1D(out, 32)
+    ours.load_state_dict(theirs.state_dict())
+    results = []
+    monkeypatch.setattr(
+        modeling_hfgpt, "one_row_conv1d", lambda *args: results.append(one_row_conv1d(*args)) or results[-1]
+    )
+    x = torch.randn(1, 1, 32)
+    with torch.no_grad():
+        got = ours(x)
+        torch.testing.assert_close(got, theirs(x), atol=1e-6, rtol=1e-6)
+    split = out % torch_threads == 0
+    assert [r is not None for r in results] == [split]
+    # With gradients it is Conv1D's product, and the gradients are Conv1D's.
+    results.clear()
+    x.requires_grad_(True)
+    (ours(x) * torch.arange(out)).sum().backward()
+    (theirs(x) * torch.arange(out)).sum().backward()
+    assert results == [None]
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+
+
+def test_one_row_split_applies_to_float32_cpu_inference_on_several_threads():
+    x, weight, bias = torch.randn(1, 32), torch.randn(48, 32), torch.randn(48)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert one_row_parts(x, weight, bias) == one_row_parts(x, weight, None) == 2
+        assert one_row_parts(x.bfloat16(), weight.bfloat16(), bias.bfloat16()) == 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert one_row_parts(x, weight, bias) == 0
+        weight.requires_grad_(True)
+        assert one_row_parts(x, weight, bias) == 0
+        with torch.no_grad():
+            assert one_row_parts(x, weight, bias) == 2
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            assert one_row_parts(x, weight, bias) == 0
+            assert one_row_product(x, weight) is None and one_row_conv1d(x, weight.T, bias) is None
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_project_to_vocab_pads_rows_of_many_positions_for_mkl(cpu_products):

@@ -88,6 +88,25 @@ def test_float32_copy_gives_the_same_logits_and_tokens(model):
         assert torch.equal(fast.generate(ids[:1], **one), model.generate(ids[:1], **one))
 
 
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_one_row_decoding_gives_the_same_tokens_on_one_thread_and_split_between_two(model, torch_threads):
+    """At batch size 1 every product has one row, split between the threads where there are several
+    (`one_row_conv1d` in the model, `one_row_product` in the float32 copy and the LM head)."""
+    fast = quantize_for_decoding(model, torch.float32)
+    ids = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    with torch.inference_mode():
+        full = model.generate(ids, **kwargs, output_logits=True, return_dict_in_generate=True)
+        copied = fast.generate(ids, **kwargs, output_logits=True, return_dict_in_generate=True)
+        torch.set_num_threads(1)
+        expected = model.generate(ids, **kwargs, output_logits=True, return_dict_in_generate=True)
+    for out in (full, copied):
+        assert torch.equal(out.sequences, expected.sequences)
+        torch.testing.assert_close(
+            torch.stack(out.logits), torch.stack(expected.logits), atol=1e-5, rtol=1e-5
+        )
+
+
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])
 def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkeypatch):
     """bfloat16 products go through oneDNN's linear op without gradients (values as `F.linear`'s, which
