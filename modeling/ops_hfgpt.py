@@ -2,7 +2,8 @@
 each function names the plain expression it stands for, and the tests hold the two to the same values.
 
 - Linear products on oneDNN (`onednn_mm`, `_OneDNNConv1D`, `use_onednn_products`), an activation applied
-  inside the product (`ONEDNN_ACTIVATIONS`), weight casts into reused memory (`workspace`).
+  inside the product (`ONEDNN_ACTIVATIONS`), weight casts into reused memory (`workspace`), one-row
+  products split between the threads (`one_row_conv1d`, `one_row_product`).
 - Dropout with byte masks drawn from 32-bit integers (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`).
