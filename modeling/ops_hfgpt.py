@@ -678,7 +678,7 @@ def one_row_parts(x: torch.Tensor, *params: torch.Tensor | None) -> int:
 def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`flat @ weight.T` for one row `flat` (1, in) and an `[out, in]` weight, as one matrix-vector product
     per thread, each over its slice of the weight's rows (`torch.bmm` over the slices); None where
-    `one_row_parts` gives no split.
+    `one_row_parts` gives no split or the weight is not contiguous.
 
     A decoding step at batch size 1 streams every weight once, and MKL's matrix-vector kernel reads a
     weight on one thread: GPT-2's 768 x 3072 and 3072 x 768 weights, not in cache, took 419 and 381 us
@@ -687,7 +687,7 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     interleaved in one process: GPT-2 23.5 against 27.1 ms a step, GPT-1 19.1 against 25.9 ms, the same
     tokens (benchmarks/RESULTS.md)."""
     parts = one_row_parts(flat, weight)
-    if not parts:
+    if not parts or not weight.is_contiguous():
         return None
     out, width = weight.shape
     size = out // parts
@@ -701,12 +701,17 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
 def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread computing a
     slice of the output columns (`torch.baddbmm` over column slices of the weight, no copy); None where
-    `one_row_parts` gives no split or the columns do not divide evenly. Conv1D's `addmm` reads the weight
+    `one_row_parts` gives no split, the columns do not divide evenly or a tensor is not contiguous. Conv1D's `addmm` reads the weight
     on one thread here. Greedy decoding at batch size 1, interleaved in one process: GPT-2 29.4 against
     33.3 ms a step, GPT-1 28.5 against 32.9 ms, the same tokens (benchmarks/RESULTS.md)."""
     parts = one_row_parts(x, weight, bias)
     width, out = weight.shape
-    if not parts or out % parts:
+    if (
+        not parts
+        or out % parts
+        or not weight.is_contiguous()
+        or (bias is not None and not bias.is_contiguous())
+    ):
         return None
     slices = weight.view(width, parts, out // parts).transpose(0, 1)  # (parts, in, out / parts)
     rows = x.expand(parts, 1, width)

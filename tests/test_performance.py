@@ -124,6 +124,10 @@ def test_one_row_split_applies_to_float32_cpu_inference_on_several_threads():
         assert one_row_parts(x, weight, bias) == 0
         with torch.no_grad():
             assert one_row_parts(x, weight, bias) == 2
+        with torch.no_grad():  # weights that are not contiguous (a transposed view): the plain products
+            assert one_row_product(x, weight.T.contiguous().T) is None
+            assert one_row_conv1d(x, weight.contiguous().T, bias) is None
+            assert one_row_conv1d(x, weight.T.contiguous(), bias) is not None
         torch.set_num_threads(1)
         with torch.no_grad():
             assert one_row_parts(x, weight, bias) == 0
