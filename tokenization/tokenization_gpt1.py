@@ -274,38 +274,32 @@ class GPT1Tokenizer(PreTrainedTokenizer):
     def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
         return self._pieces(text, with_offsets=False)[0]
 
-    def _chunks(self, text: str, split_special_tokens: bool) -> list[str]:
-        """Split out added tokens (the fine-tuning tokens), but never ``<unk>``.
+    def _chunks(self, text: str, split_special_tokens: bool) -> list[tuple[str, int | None]]:
+        """The text split at added tokens (the fine-tuning tokens), but never at ``<unk>``: each chunk with
+        the id of the added token it is, or None for text.
 
         transformers' own splitting would also match a literal "<unk>" in the text, which the original
         tokenizes as ordinary text (it only ever produces id 0, never reads it).
         """
-        added = [t for t in self._added_tokens_encoder if t != str(self.unk_token)]
+        unk = str(self.unk_token)
+        added = {t: i for t, i in self._added_tokens_encoder.items() if t != unk}
         if split_special_tokens or not added:
-            return [text]
+            return [(text, None)]
         pattern = "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
-        return [chunk for chunk in re.split(pattern, text) if chunk]
-
-    def _added_id(self, chunk: str, split_special_tokens: bool) -> int | None:
-        """The id of a chunk of `_chunks` that is one added token, else None (``<unk>`` is text)."""
-        if split_special_tokens or chunk == str(self.unk_token):
-            return None
-        return self._added_tokens_encoder.get(chunk)
+        return [(chunk, added.get(chunk)) for chunk in re.split(pattern, text) if chunk]
 
     def tokenize(self, text: str, **kwargs: Any) -> list[str]:
         split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
         text, kwargs = self.prepare_for_tokenization(text, **kwargs)
         pieces: list[str] = []
-        for chunk in self._chunks(text, split_special_tokens):
-            is_added = self._added_id(chunk, split_special_tokens) is not None
-            pieces.extend([chunk] if is_added else self._tokenize(chunk))
+        for chunk, added_id in self._chunks(text, split_special_tokens):
+            pieces.extend([chunk] if added_id is not None else self._tokenize(chunk))
         return pieces
 
     def _ids_and_offsets(self, text: str, split_special_tokens: bool) -> tuple[list[int], list]:
         """Ids and character spans of one text, splitting out added tokens as ``tokenize`` does."""
         ids, offsets, start = [], [], 0
-        for chunk in self._chunks(text, split_special_tokens):
-            added_id = self._added_id(chunk, split_special_tokens)
+        for chunk, added_id in self._chunks(text, split_special_tokens):
             if added_id is not None:
                 ids.append(added_id)
                 offsets.append((start, start + len(chunk)))
