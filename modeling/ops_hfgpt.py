@@ -138,27 +138,26 @@ def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
     compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
     matrix-vector kernel), where `onednn_runs_here`."""
-    return (
-        onednn_runs_here(x)
-        and x.dtype == torch.float32
-        and all(p.dtype == torch.float32 for p in params)
-        and x.numel() >= 2 * x.shape[-1]
-        and not torch.is_autocast_enabled("cpu")
-    )
+    return onednn_runs_here(x) and float32_outside_autocast(x, *params) and x.numel() >= 2 * x.shape[-1]
 
 
 def onednn_runs_here(x: torch.Tensor) -> bool:
     """Whether hfgpt may call oneDNN's linear op on `x` at all, whatever the dtype: products on oneDNN
-    (`use_onednn_products`), a CPU tensor, outside a compiled graph or a TorchScript trace, and oneDNN not
-    switched off (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's
-    lookup, which torch.compile cannot trace."""
-    return (
-        _cpu_products["onednn"]
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and x.device.type == "cpu"
-        and torch._C._get_mkldnn_enabled()
-    )
+    (`use_onednn_products`), `eager_on_cpu`, and oneDNN not switched off
+    (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's lookup,
+    which torch.compile cannot trace."""
+    return _cpu_products["onednn"] and eager_on_cpu(x) and torch._C._get_mkldnn_enabled()
+
+
+def eager_on_cpu(x: torch.Tensor) -> bool:
+    """A CPU tensor outside a compiled graph and a TorchScript trace, where hfgpt's own CPU products
+    (`onednn_runs_here`, `one_row_parts`) may run."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and x.device.type == "cpu"
+
+
+def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
+    """Every tensor float32, and CPU autocast off (autocast would run the product in its own dtype)."""
+    return all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -659,17 +658,10 @@ ONEDNN_FEW_ROWS = 4
 def one_row_parts(x: torch.Tensor, *params: torch.Tensor | None) -> int:
     """Into how many slices `one_row_product` and `one_row_conv1d` split a product of one row `x` with a
     weight: one per intra-op thread, for float32 CPU tensors without gradients, outside autocast, compiled
-    graphs and TorchScript traces; 0 (no split) elsewhere or with a single thread. The compile check comes
-    first: torch.compile cannot trace the thread count."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return 0
+    graphs and TorchScript traces (`eager_on_cpu`, which comes first: torch.compile cannot trace the
+    thread count); 0 (no split) elsewhere or with a single thread."""
     tensors = [x, *(p for p in params if p is not None)]
-    if (
-        x.device.type != "cpu"
-        or any(t.dtype != torch.float32 for t in tensors)
-        or torch.is_autocast_enabled("cpu")
-        or needs_grad(*tensors)
-    ):
+    if not (eager_on_cpu(x) and float32_outside_autocast(*tensors)) or needs_grad(*tensors):
         return 0
     threads = torch.get_num_threads()
     return threads if threads >= 2 else 0
@@ -701,8 +693,8 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
 def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread computing a
     slice of the output columns (`torch.baddbmm` over column slices of the weight, no copy); None where
-    `one_row_parts` gives no split, the columns do not divide evenly or a tensor is not contiguous. Conv1D's `addmm` reads the weight
-    on one thread here. Greedy decoding at batch size 1, interleaved in one process: GPT-2 29.4 against
+    `one_row_parts` gives no split, the columns do not divide evenly or a tensor is not contiguous.
+    Conv1D's `addmm` reads the weight on one thread here. Greedy decoding at batch size 1, interleaved in one process: GPT-2 29.4 against
     33.3 ms a step, GPT-1 28.5 against 32.9 ms, the same tokens (benchmarks/RESULTS.md)."""
     parts = one_row_parts(x, weight, bias)
     width, out = weight.shape
