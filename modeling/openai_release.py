@@ -23,9 +23,9 @@ import json
 import mmap
 import os
 import re
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ __all__ = [
     "ConversionError",
     "CorruptCheckpointError",
     "FINETUNE_TOKENS",
+    "InvalidOptionError",
     "GPT1_EMBEDDING_MAP",
     "GPT1_LAYER_MAP",
     "GPT2_WEIGHT_MAP",
@@ -63,6 +64,12 @@ class ConversionError(CheckpointError):
     """The source is not a release we can convert (missing/extra files, wrong shapes, bad options)."""
 
     exit_code = 3
+
+
+class InvalidOptionError(ConversionError):
+    """An option out of its range (dtype, format, seed, n_head, shard size, repo id): the CLI's usage error."""
+
+    exit_code = 2
 
 
 class OutputExistsError(ConversionError):
@@ -89,9 +96,10 @@ class Op:
     forward: Callable[[np.ndarray], np.ndarray]
     reverse: Callable[[np.ndarray], np.ndarray]
     forward_shape: Callable[[tuple[int, ...]], tuple[int, ...] | None]  # None: shape not allowed
+    reverse_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
 
 
-IDENTITY = Op("identity", lambda a: a, lambda a: a, lambda s: s)
+IDENTITY = Op("identity", lambda a: a, lambda a: a, lambda s: s, lambda s: s)
 # OpenAI's conv1d weights are [1, n_in, n_out] (model.py: `w = tf.get_variable('w', [1, nx, nf])`);
 # the Conv1D parameter is [n_in, n_out].
 SQUEEZE0 = Op(
@@ -99,6 +107,7 @@ SQUEEZE0 = Op(
     lambda a: a.reshape(a.shape[1:]),
     lambda a: a.reshape((1, *a.shape)),
     lambda s: s[1:] if len(s) == 3 and s[0] == 1 else None,
+    lambda s: (1, *s),
 )
 
 # GPT-2 TensorFlow names (openai/gpt-2 src/model.py) -> parameter names (transformers' GPT2LMHeadModel).
@@ -195,7 +204,8 @@ def detect_release(source_dir: str | Path) -> ReleaseKind:
     """Which release ``source_dir`` holds, from its files. Raises ConversionError naming what is wrong."""
     source_dir = Path(source_dir)
     if not source_dir.is_dir():
-        raise ConversionError(f"source folder {source_dir} does not exist")
+        what = "is a file, not a release folder" if source_dir.exists() else "does not exist"
+        raise ConversionError(f"source folder {source_dir} {what}")
     names = {p.name for p in source_dir.iterdir()}
     looks_gpt2 = "model.ckpt.index" in names or "hparams.json" in names
     looks_gpt1 = "params_shapes.json" in names
@@ -227,7 +237,10 @@ class GPT2Release:
 
     def __init__(self, source_dir: str | Path):
         self.source_dir = Path(source_dir)
-        checkpoint = (self.source_dir / "checkpoint").read_text()
+        try:
+            checkpoint = (self.source_dir / "checkpoint").read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConversionError(f"{self.source_dir / 'checkpoint'} is not a text file: {exc}") from exc
         match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', checkpoint, re.M)
         if match is None:
             raise ConversionError(f"{self.source_dir / 'checkpoint'}: no model_checkpoint_path line")
@@ -236,6 +249,8 @@ class GPT2Release:
                 f"{self.source_dir / 'checkpoint'} names checkpoint {match.group(1)!r}; expected model.ckpt"
             )
         self.hparams = _read_json(self.source_dir / "hparams.json")
+        if not isinstance(self.hparams, dict):
+            raise ConversionError(f"{self.source_dir / 'hparams.json'}: expected a JSON object")
         for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
             if not isinstance(self.hparams.get(key), int) or self.hparams[key] <= 0:
                 raise ConversionError(f"{self.source_dir / 'hparams.json'}: {key} must be a positive integer")
@@ -446,10 +461,12 @@ Release = GPT2Release | GPT1Release
 
 def open_release(source_dir: str | Path, *, n_head: int | None = None) -> Release:
     """Open whichever release ``source_dir`` holds (``n_head`` only matters for GPT-1, see GPT1Release)."""
+    if n_head is not None and (not isinstance(n_head, int) or n_head <= 0):
+        raise InvalidOptionError(f"n_head must be a positive integer, not {n_head!r}")
     kind = detect_release(source_dir)
     if kind == "gpt2":
         if n_head is not None:
-            raise ConversionError("n_head comes from hparams.json for GPT-2 releases; do not pass it")
+            raise InvalidOptionError("n_head comes from hparams.json for GPT-2 releases; do not pass it")
         return GPT2Release(source_dir)
     return GPT1Release(source_dir, n_head=n_head)
 
@@ -551,7 +568,9 @@ def plan_conversion(
     shape disagrees with the hyper-parameters.
     """
     if add_finetune_tokens and release.kind != "gpt1":
-        raise ConversionError("--add-finetune-tokens applies to GPT-1 releases only")
+        raise InvalidOptionError("--add-finetune-tokens applies to GPT-1 releases only")
+    if add_finetune_tokens and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise InvalidOptionError(f"seed must be an integer in 0..2**32-1 (numpy's RandomState), not {seed!r}")
     expected = _expected_shapes(config, fmt)
     sources = {t.name: t for t in release.tensors()}
     hparams_file = "hparams.json" if release.kind == "gpt2" else "params_shapes.json"
@@ -573,9 +592,12 @@ def plan_conversion(
             extra = (rng.randn(len(FINETUNE_TOKENS), shape[1]) * 0.02).astype(np.float32)
             shape = (shape[0] + len(FINETUNE_TOKENS), shape[1])
         if shape != expected[target]:
+            wanted = op.reverse_shape(expected[target])
+            if extra is not None:  # the release holds the rows before the fine-tuning tokens
+                wanted = (wanted[0] - len(FINETUNE_TOKENS), *wanted[1:])
             raise ConversionError(
-                f"tensor {source!r} has shape {list(info.shape)}, which does not give {target!r} the shape "
-                f"{list(expected[target])} that {hparams_file} implies"
+                f"tensor {source!r} has shape {list(info.shape)}, but {hparams_file} implies "
+                f"{list(wanted)} (for {target!r}, shape {list(expected[target])})"
             )
         if info.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ConversionError(
@@ -628,7 +650,7 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.I)
     if match is None:
-        raise ConversionError(f"cannot read size {size!r}; write e.g. 5GB or 500MB")
+        raise InvalidOptionError(f"cannot read size {size!r}; write e.g. 5GB or 500MB")
     units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     return int(float(match.group(1)) * units[(match.group(2) or "B").upper()])
 
@@ -717,57 +739,95 @@ def write_safetensors_shards(
 # --- tokenizer, model card, the whole conversion ----------------------------------------------------------
 
 
-def _save_tokenizer(release: Release, out_dir: Path, fmt: str, add_finetune_tokens: bool) -> None:
-    """Save the tokenizer of the release, built from the release's own vocabulary files.
+def _vocabulary_files(release: Release) -> tuple[Path, Path]:
+    names = (
+        ("encoder.json", "vocab.bpe")
+        if release.kind == "gpt2"
+        else ("encoder_bpe_40000.json", "vocab_40000.bpe")
+    )
+    return release.source_dir / names[0], release.source_dir / names[1]
+
+
+def _check_vocabulary(release: Release, rows: int) -> None:
+    """The vocabulary must give each embedding row one token, ids 0 .. rows-1, as the original code assumes
+    (GPT-2's ``n_vocab``; GPT-1's train.py sets ``n_vocab = len(text_encoder.encoder)``)."""
+    vocab, merges = _vocabulary_files(release)
+    encoder = _read_json(vocab)
+    if not isinstance(encoder, dict) or not all(type(i) is int for i in encoder.values()):
+        raise ConversionError(f"{vocab}: expected a JSON object mapping each token to its integer id")
+    ids = sorted(encoder.values())
+    if ids != list(range(rows)):
+        source = "hparams.json's n_vocab" if release.kind == "gpt2" else "params_shapes.json"
+        span = f"ids {ids[0]}..{ids[-1]}" if ids else "no ids"
+        raise ConversionError(
+            f"{vocab} has {len(encoder)} tokens ({span}), but the embedding has {rows} rows ({source}): "
+            f"the ids must be 0..{rows - 1}, each once"
+        )
+    if release.kind == "gpt2":
+        # Byte-level BPE: 256 byte tokens, one token per merge, then <|endoftext|>.
+        try:
+            lines = merges.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise ConversionError(f"{merges} is not UTF-8 text: {exc}") from exc
+        count = sum(1 for line in lines[1:] if line.strip())  # the first line is "#version: ..."
+        if count != len(encoder) - 257:
+            raise ConversionError(
+                f"{merges} has {count} merges; {vocab}'s {len(encoder)} tokens need {len(encoder) - 257} "
+                "(256 bytes + one token per merge + <|endoftext|>)"
+            )
+
+
+def _load_tokenizer(release: Release, fmt: str, add_finetune_tokens: bool, rows: int) -> Any:
+    """The tokenizer of the release, built from its own vocabulary files and checked against the weights.
 
     hfgpt format: hfgpt's tokenizers (GPT-1's reproduces the original ftfy + spaCy pipeline).
     transformers format: transformers' GPT2Tokenizer / OpenAIGPTTokenizer, so plain transformers loads it.
+    ``rows``: the token rows of the release's embedding, before any fine-tuning tokens.
     """
-    src = release.source_dir
-    if fmt == "hfgpt":
-        from hfgpt.tokenization import GPT1Tokenizer, GPT2Tokenizer
+    _check_vocabulary(release, rows)
+    vocab, merges = _vocabulary_files(release)
+    try:
+        if fmt == "hfgpt" and release.kind == "gpt2":
+            from hfgpt.tokenization import GPT2Tokenizer
 
-        if release.kind == "gpt2":
-            tokenizer = GPT2Tokenizer(vocab=str(src / "encoder.json"), merges=str(src / "vocab.bpe"))
-        else:
+            tokenizer = GPT2Tokenizer(vocab=str(vocab), merges=str(merges))
+        elif fmt == "hfgpt":
+            from hfgpt.tokenization import GPT1Tokenizer
+
+            # The tokenizer adds the fine-tuning tokens itself, with the original's ids.
             tokenizer = GPT1Tokenizer(
-                vocab_file=src / "encoder_bpe_40000.json",
-                merges_file=src / "vocab_40000.bpe",
-                add_finetune_tokens=add_finetune_tokens,
+                vocab_file=vocab, merges_file=merges, add_finetune_tokens=add_finetune_tokens
             )
-            _check_finetune_ids(tokenizer, add_finetune_tokens)
-            add_finetune_tokens = False  # done by the tokenizer itself
-    elif release.kind == "gpt2":
-        from transformers import GPT2Tokenizer as HFGPT2Tokenizer
+        elif release.kind == "gpt2":
+            from transformers import GPT2Tokenizer as HFGPT2Tokenizer
 
-        tokenizer = HFGPT2Tokenizer(vocab=str(src / "encoder.json"), merges=str(src / "vocab.bpe"))
-    else:
-        from transformers import OpenAIGPTTokenizer
+            tokenizer = HFGPT2Tokenizer(vocab=str(vocab), merges=str(merges))
+        else:
+            from transformers import OpenAIGPTTokenizer
 
-        tokenizer = OpenAIGPTTokenizer(
-            vocab=str(src / "encoder_bpe_40000.json"), merges=str(src / "vocab_40000.bpe")
-        )
-    if add_finetune_tokens:
-        tokenizer.add_special_tokens({"additional_special_tokens": list(FINETUNE_TOKENS)})
-        _check_finetune_ids(tokenizer, True)
-    tokenizer.save_pretrained(out_dir)
-
-
-def _check_finetune_ids(tokenizer: Any, added: bool) -> None:
-    """The fine-tuning tokens must take the rows the weights give them: right after the BPE vocabulary."""
-    if not added:
-        return
-    ids = tokenizer.convert_tokens_to_ids(list(FINETUNE_TOKENS))
-    first = len(tokenizer) - len(FINETUNE_TOKENS)
-    if ids != list(range(first, first + len(FINETUNE_TOKENS))):
-        raise ConversionError(f"fine-tuning tokens got ids {ids}, expected {first}..{first + 2}")
+            tokenizer = OpenAIGPTTokenizer(vocab=str(vocab), merges=str(merges))
+            if add_finetune_tokens:
+                tokenizer.add_special_tokens({"additional_special_tokens": list(FINETUNE_TOKENS)})
+    except ImportError:
+        raise
+    except Exception as exc:  # the tokenizer libraries' own complaints about the files
+        raise ConversionError(f"cannot build the tokenizer from {vocab} and {merges}: {exc}") from exc
+    if add_finetune_tokens:  # they must take the rows the weights give them: right after the vocabulary
+        ids = tokenizer.convert_tokens_to_ids(list(FINETUNE_TOKENS))
+        if ids != list(range(rows, rows + len(FINETUNE_TOKENS))):
+            raise ConversionError(
+                f"fine-tuning tokens got ids {ids}; the weights give them rows {rows}..{rows + 2}"
+            )
+    return tokenizer
 
 
 def _write_model_card(release: Release, out_dir: Path, config: Any) -> None:
     from hfgpt.model_cards import render_model_card
 
     preset, _ = release.config_fields()  # the card of the release this is (tiny test releases: "gpt2")
-    render_model_card(preset, config=config, source=str(release.source_dir)).save(out_dir / "README.md")
+    # The folder's name only: a full local path would publish the converter's home directory on the Hub.
+    source = release.source_dir.resolve().name
+    render_model_card(preset, config=config, source=source).save(out_dir / "README.md")
 
 
 def _check_output(output_dir: Path) -> None:
@@ -776,6 +836,19 @@ def _check_output(output_dir: Path) -> None:
         raise OutputExistsError(
             f"output folder {output_dir} already holds {what}; choose an empty or new folder"
         )
+
+
+def _make_temporary_folder(output_dir: Path) -> Path:
+    """A new folder beside ``output_dir`` with the permissions a plain mkdir gives (tempfile.mkdtemp's are
+    0700, which the finished model would keep after the rename)."""
+    for _ in range(100):
+        tmp = output_dir.parent / f".{output_dir.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary folder beside {output_dir}")
 
 
 def convert_release(
@@ -797,18 +870,23 @@ def convert_release(
     so a failure leaves no half-written output. Raises a ``CheckpointError`` subclass on bad input.
     """
     if dtype not in _SAFETENSORS_DTYPES:
-        raise ConversionError(f"unsupported dtype {dtype!r}; choose float32, float16 or bfloat16")
+        raise InvalidOptionError(f"unsupported dtype {dtype!r}; choose float32, float16 or bfloat16")
     if fmt not in ("hfgpt", "transformers"):
-        raise ConversionError(f"unsupported format {fmt!r}; choose hfgpt or transformers")
+        raise InvalidOptionError(f"unsupported format {fmt!r}; choose hfgpt or transformers")
     output_dir = Path(output_dir)
+    if output_dir.is_symlink():  # write into the folder it names (replacing the link would lose it)
+        output_dir = output_dir.resolve()
     _check_output(output_dir)
     max_shard = parse_size(max_shard_size)
     release = open_release(source_dir, n_head=n_head)
     try:
         config = build_config(release, fmt=fmt, add_finetune_tokens=add_finetune_tokens, dtype=dtype)
         plan = plan_conversion(release, config, fmt=fmt, add_finetune_tokens=add_finetune_tokens, seed=seed)
+        rows = config.vocab_size - (len(FINETUNE_TOKENS) if add_finetune_tokens else 0)
+        # Checked before any weight is written: a bad vocabulary costs nothing.
+        release_tokenizer = _load_tokenizer(release, fmt, add_finetune_tokens, rows) if tokenizer else None
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+        tmp = _make_temporary_folder(output_dir)
         try:
             write_safetensors_shards(
                 tmp,
@@ -828,8 +906,8 @@ def convert_release(
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
-            if tokenizer:
-                _save_tokenizer(release, tmp, fmt, add_finetune_tokens)
+            if release_tokenizer is not None:
+                release_tokenizer.save_pretrained(tmp)
             if model_card:
                 _write_model_card(release, tmp, config)
             _check_output(output_dir)

@@ -23,6 +23,7 @@ the index and data files TensorFlow's own ``Saver`` wrote byte for byte.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -364,6 +365,15 @@ def read_table(path: str | Path) -> dict[bytes, bytes]:
     """All key/value pairs of an SSTable file, in key order."""
     path = Path(path)
     table = path.read_bytes()
+    try:
+        return _read_table(table, path)
+    except CorruptCheckpointError as exc:
+        if str(path) in str(exc):
+            raise
+        raise CorruptCheckpointError(f"{path}: {exc}") from exc
+
+
+def _read_table(table: bytes, path: Path) -> dict[bytes, bytes]:
     if len(table) < _FOOTER_SIZE:
         raise CorruptCheckpointError(f"{path}: too short to be a table ({len(table)} bytes; truncated?)")
     footer = table[-_FOOTER_SIZE:]
@@ -514,22 +524,28 @@ class TensorBundleReader:
             raise CorruptCheckpointError(f"{index_path}: header says {self.num_shards} data shards")
         self.entries: dict[str, BundleEntry] = {}
         for key, value in table.items():
-            name = key.decode("utf-8")
-            self.entries[name] = BundleEntry.parse(name, value)
-        self.data_files = [data_file_name(self.prefix, i, self.num_shards) for i in range(self.num_shards)]
+            try:
+                name = key.decode("utf-8")
+                self.entries[name] = BundleEntry.parse(name, value)
+            except (UnicodeDecodeError, CorruptCheckpointError) as exc:
+                raise CorruptCheckpointError(f"{index_path}: entry {key!r}: {exc}") from exc
+        self.data_files = []
+        for shard in range(self.num_shards):  # stops at the first missing shard, however many are claimed
+            path = data_file_name(self.prefix, shard, self.num_shards)
+            if not path.is_file():
+                raise CheckpointError(
+                    f"missing checkpoint data shard {path} ({index_path} names {self.num_shards} shards)"
+                )
+            self.data_files.append(path)
         self._check_entries()
         self._maps: dict[int, mmap.mmap] = {}
 
     def _check_entries(self) -> None:
-        sizes = {}
-        for shard, path in enumerate(self.data_files):
-            if not path.is_file():
-                raise CheckpointError(f"missing checkpoint data shard {path}")
-            sizes[shard] = path.stat().st_size
+        sizes = {shard: path.stat().st_size for shard, path in enumerate(self.data_files)}
         for entry in self.entries.values():
             if not 0 <= entry.shard_id < self.num_shards:
                 raise CorruptCheckpointError(f"tensor {entry.name!r}: shard {entry.shard_id} does not exist")
-            expected = int(np.prod(entry.shape, dtype=np.int64)) * entry.numpy_dtype.itemsize
+            expected = math.prod(entry.shape) * entry.numpy_dtype.itemsize  # Python ints: no overflow
             if entry.size != expected:
                 raise CorruptCheckpointError(
                     f"tensor {entry.name!r}: {entry.size} bytes stored, but shape {list(entry.shape)} "

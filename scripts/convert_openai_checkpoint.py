@@ -12,14 +12,18 @@ The output folder then loads with `AutoModelForCausalLM.from_pretrained` and `Au
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from hfgpt.modeling.openai_release import (
     CONVERSION_ERRORS,
+    InvalidOptionError,
     convert_release,
     inspect_release,
+    parse_size,
 )
 
 __all__ = ["convert_openai_checkpoint", "format_inspection", "main"]
@@ -39,8 +43,16 @@ def convert_openai_checkpoint(
 ) -> Path:
     """Convert the release in ``source_dir`` into ``output_dir`` (see :func:`convert_release`).
 
-    ``push_to_hub``: a repo id to upload the finished folder to, through ``hfgpt.scripts.push_to_hub``.
+    ``push_to_hub``: a repo id to upload the finished folder to, through ``hfgpt.scripts.push_to_hub``
+    (checked before converting; a refused push raises its ``PushError`` and leaves the folder converted).
     """
+    if push_to_hub:
+        from hfgpt.scripts.push_to_hub import PushError, check_repo_id
+
+        try:
+            check_repo_id(push_to_hub)
+        except PushError as exc:
+            raise InvalidOptionError(str(exc)) from exc
     out = convert_release(
         source_dir,
         output_dir,
@@ -77,6 +89,33 @@ def format_inspection(source_dir: str | Path, n_head: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _ranged(low: int, high: int | None) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high (high None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high if high is not None else ''}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except InvalidOptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinds like Ctrl-C, so the temporary output folder is removed (convert_release's cleanup).
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hfgpt-convert",
@@ -104,16 +143,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="GPT-1: add _start_, _delimiter_, _classify_ (ids 40478-40480), rows ~ N(0, 0.02)",
     )
-    parser.add_argument("--seed", type=int, default=42, help="seed of the fine-tuning token rows")
+    parser.add_argument(
+        "--seed", type=_ranged(0, 2**32 - 1), default=42, help="seed of the fine-tuning token rows"
+    )
     parser.add_argument(
         "--n-head",
-        type=int,
+        type=_ranged(1, None),
         default=None,
         help="GPT-1 only: attention heads (not recorded in the release; train.py uses 12)",
     )
-    parser.add_argument("--max-shard-size", default="5GB", help="split safetensors above this size")
+    parser.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="split safetensors above this size (5GB, 500MB)"
+    )
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result")
     args = parser.parse_args(argv)
+    from hfgpt.scripts.push_to_hub import PushError  # no torch, no network: cheap
+
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         if args.inspect:
             print(format_inspection(args.source_dir, n_head=args.n_head))
@@ -137,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # unreadable source, unwritable destination, full disk: the OS says which file
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except PushError as exc:  # the conversion itself is complete and in place
+        print(f"wrote {args.output_dir}", file=sys.stderr)
+        print(
+            f"error: {exc} (push it again with: hfgpt-push {args.output_dir} {args.push_to_hub})",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out}")
     return 0
 

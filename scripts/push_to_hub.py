@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
-from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
+from huggingface_hub.utils import validate_repo_id
 
 __all__ = ["PushError", "collect_upload", "main", "push_to_hub"]
 
@@ -55,6 +56,16 @@ _COMMIT_ID = re.compile(r"^[0-9a-f]{40}$")
 
 class PushError(Exception):
     """A push refused or failed; the message says why and what to do."""
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a repo id the Hub would refuse ("namespace/name"), before any work or network call."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise PushError(f"{repo_id!r} is not a valid repo id: {err}") from err
+    if "/" not in repo_id:
+        raise PushError(f"repo id {repo_id!r} needs a namespace: write your-name/{repo_id}")
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -225,6 +236,7 @@ def push_to_hub(
         PushError: incomplete folder, missing or refused token, a Hub error, or an interrupted upload
             (run the same push again: files the Hub already received are not sent twice).
     """
+    check_repo_id(repo_id)
     operations = collect_upload(model_dir, repo_id)
     if revision is not None and _COMMIT_ID.match(revision):
         raise PushError(f"--revision {revision} is a commit id; commits go to a branch, give a branch name")

@@ -25,7 +25,13 @@ from hfgpt.modeling.openai_release import (
     write_gpt1_release,
     write_gpt2_release,
 )
-from hfgpt.modeling.tf_bundle import TensorBundleReader, TensorBundleWriter
+from hfgpt.modeling.tf_bundle import (
+    BundleEntry,
+    TensorBundleReader,
+    TensorBundleWriter,
+    _serialize_header,
+    write_table,
+)
 from hfgpt.scripts.convert_openai_checkpoint import convert_openai_checkpoint, main
 
 ROOT = Path(__file__).parent.parent
@@ -373,6 +379,36 @@ def test_flipped_byte_names_the_tensor_and_leaves_no_output(tmp_path, capsys):
         ("gpt2", "unknown tensor", 3, "tensor 'model/h0/attn/extra' in .* has no parameter to map to"),
         ("gpt2", "integer weights", 3, "tensor 'model/wpe' has dtype int32"),
         ("gpt2", "both releases", 3, "holds files of both the GPT-1 and the GPT-2 release"),
+        ("gpt2", "list in hparams.json", 3, "hparams.json: expected a JSON object"),
+        ("gpt2", "binary checkpoint file", 3, "checkpoint is not a text file"),
+        ("gpt2", "malformed encoder", 3, "cannot read .*encoder.json"),
+        ("gpt2", "bad merge line", 3, "cannot build the tokenizer from .*encoder.json and .*vocab.bpe"),
+        (
+            "gpt2",
+            "id past the embedding",
+            3,
+            r"encoder.json has 50257 tokens \(ids 1..50300\), but the embedding",
+        ),
+        ("gpt2", "no merges", 3, "vocab.bpe has 0 merges; .*encoder.json's 50257 tokens need 50000"),
+        (
+            "gpt2",
+            "2-D conv weight",
+            3,
+            r"'model/h0/attn/c_attn/w' has shape \[32, 96\], but hparams.json implies \[1, 32, 96\]",
+        ),
+        (
+            "gpt2",
+            "a billion shards",
+            3,
+            "missing checkpoint data shard .*-00000-of-1000000000 .*names 1000000000",
+        ),
+        ("gpt2", "garbage footer", 4, "model.ckpt.index: "),
+        (
+            "gpt2",
+            "overflowing shape",
+            4,
+            r"'model/ln_f/b': 128 bytes stored, but shape .* needs 3402823669\d+",
+        ),
         ("gpt1", "missing shard", 3, "looks like a GPT1 release but has no params_7.npy"),
         ("gpt1", "extra shard", 3, "extra file .*params_10.npy"),
         ("gpt1", "truncated shard", 4, "params_3.npy is truncated"),
@@ -385,13 +421,19 @@ def test_flipped_byte_names_the_tensor_and_leaves_no_output(tmp_path, capsys):
         ),
         ("gpt1", "float64 shard", 3, "params_5.npy: unsupported dtype float64"),
         ("gpt1", "bad n_head", 3, "n_head 5 does not divide n_embd 32"),
+        ("gpt1", "encoder a list", 3, "encoder_bpe_40000.json: expected a JSON object mapping each token"),
+        ("gpt1", "small vocabulary", 3, "encoder_bpe_40000.json has 1000 tokens .* embedding has 40478 rows"),
+        ("gpt1", "a row moved to positions", 3, "has 40478 tokens .* the embedding has 40477 rows"),
         ("none", "empty folder", 3, "is neither a GPT-2 release"),
+        ("none", "a file", 3, "is a file, not a release folder"),
     ],
 )
 def test_bad_input(tmp_path, capsys, release, damage, code, message):
     src = tmp_path / "src"
     extra: list[str] = ["--n-head", "5" if damage == "bad n_head" else "4"] if release == "gpt1" else []
-    if release == "none":
+    if damage == "a file":
+        src.write_text("not a release")
+    elif release == "none":
         src.mkdir()
     elif release == "gpt2":
         copy_release(GPT2, src)
@@ -436,6 +478,44 @@ def _damage_gpt2(src: Path, damage: str) -> None:
         TensorBundleWriter(src / "model.ckpt").write(tensors)
     elif damage == "both releases":
         (src / "params_shapes.json").write_text("[]")
+    elif damage == "list in hparams.json":
+        (src / "hparams.json").write_text("[1]")
+    elif damage == "binary checkpoint file":
+        (src / "checkpoint").write_bytes(b"\xff\xfe model_checkpoint_path")
+    elif damage == "malformed encoder":
+        (src / "encoder.json").write_text('{"a": 0,')
+    elif damage == "bad merge line":
+        lines = (src / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+        lines[5] = "onlyonetoken"
+        (src / "vocab.bpe").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    elif damage == "id past the embedding":
+        encoder = json.loads((src / "encoder.json").read_text())
+        encoder["!"] = 50300  # was 0: 50257 tokens still, one id the 50257-row embedding lacks
+        (src / "encoder.json").write_text(json.dumps(encoder))
+    elif damage == "no merges":
+        (src / "vocab.bpe").write_text("#version: 0.2\n")
+    elif damage == "2-D conv weight":
+        with TensorBundleReader(src / "model.ckpt") as reader:
+            tensors = {name: reader.get(name).copy() for name in reader}
+        tensors["model/h0/attn/c_attn/w"] = tensors["model/h0/attn/c_attn/w"][0]
+        TensorBundleWriter(src / "model.ckpt").write(tensors)
+    elif damage in ("a billion shards", "overflowing shape"):
+        with TensorBundleReader(src / "model.ckpt") as reader:
+            entries = dict(reader.entries)
+        shards = 1
+        if damage == "a billion shards":  # a valid index whose header claims 10**9 data files
+            shards = 10**9
+        else:
+            e = entries["model/ln_f/b"]
+            entries[e.name] = BundleEntry(
+                e.name, e.dtype, (2**62, 2**62, 4), e.shard_id, e.offset, e.size, e.crc32c
+            )
+        rows = [(name.encode(), entry.serialize()) for name, entry in sorted(entries.items())]
+        write_table(src / "model.ckpt.index", [(b"", _serialize_header(shards)), *rows])
+    elif damage == "garbage footer":
+        index = bytearray((src / "model.ckpt.index").read_bytes())
+        index[-48:-8] = b"\xff" * 40  # the block handles: varints that never end
+        (src / "model.ckpt.index").write_bytes(bytes(index))
 
 
 def _damage_gpt1(src: Path, damage: str) -> None:
@@ -454,6 +534,16 @@ def _damage_gpt1(src: Path, damage: str) -> None:
         (src / "params_shapes.json").write_text(json.dumps(shapes))
     elif damage == "float64 shard":
         np.save(src / "params_5.npy", np.load(src / "params_5.npy").astype(np.float64))
+    elif damage == "encoder a list":
+        (src / "encoder_bpe_40000.json").write_text("[1, 2]")
+    elif damage == "small vocabulary":
+        encoder = json.loads((src / "encoder_bpe_40000.json").read_text())
+        (src / "encoder_bpe_40000.json").write_text(json.dumps(dict(list(encoder.items())[:1000])))
+    elif damage == "a row moved to positions":  # same number of values: only the vocabulary tells
+        shapes = json.loads((src / "params_shapes.json").read_text())
+        shapes[0][0] += 1
+        shapes[1][0] -= 1
+        (src / "params_shapes.json").write_text(json.dumps(shapes))
 
 
 def test_output_that_already_holds_a_model_is_kept(gpt2_out, tmp_path, capsys):
@@ -517,3 +607,103 @@ def test_unwritable_destination_is_a_clean_error(tmp_path, capsys):
     assert main([str(GPT2), str(blocker / "out")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(blocker) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--seed", "-1", "--add-finetune-tokens"],
+        ["--seed", str(2**33), "--add-finetune-tokens"],
+        ["--n-head", "0"],
+        ["--max-shard-size", "abc"],
+    ],
+)
+def test_option_out_of_range_is_a_usage_error(tmp_path, capsys, option):
+    with pytest.raises(SystemExit) as stop:
+        main([str(GPT1), str(tmp_path / "out"), *option])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[0]}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_repo_id_is_refused_before_converting(tmp_path, capsys):
+    code, err = run_cli(capsys, GPT2, tmp_path / "out", "--push-to-hub", "no namespace")
+    assert code == 2 and "'no namespace' is not a valid repo id" in err
+    code, err = run_cli(capsys, GPT2, tmp_path / "out", "--push-to-hub", "gpt2-mine")
+    assert code == 2 and "needs a namespace: write your-name/gpt2-mine" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_push_keeps_the_conversion_and_says_how_to_retry(tmp_path, capsys, monkeypatch):
+    import hfgpt.scripts.push_to_hub as push_module
+
+    def refused(model_dir, repo_id):
+        raise push_module.PushError("the Hub refused the token")
+
+    monkeypatch.setattr(push_module, "push_to_hub", refused)
+    code = main([str(GPT2), str(tmp_path / "out"), "--push-to-hub", "someone/gpt2-tiny"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "error: the Hub refused the token" in err
+    assert f"hfgpt-push {tmp_path / 'out'} someone/gpt2-tiny" in err
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_output_folder_has_the_permissions_of_a_plain_mkdir(gpt2_out):
+    sibling = gpt2_out.parent / "plain"
+    sibling.mkdir()
+    assert gpt2_out.stat().st_mode == sibling.stat().st_mode
+
+
+def test_output_that_is_a_link_to_an_empty_folder_is_written_through(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert main([str(GPT2), str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "link").config.n_layer == 2
+
+
+def test_sigterm_mid_conversion_removes_the_temporary_folder(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import hfgpt.modeling.openai_release as release_module
+
+    fetched = []
+    source_array = release_module._source_array
+
+    def terminated_on_the_third_tensor(release, item):
+        fetched.append(item.source)
+        if len(fetched) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` would
+        return source_array(release, item)
+
+    monkeypatch.setattr(release_module, "_source_array", terminated_on_the_third_tensor)
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = run_cli(capsys, GPT2, tmp_path / "out")  # checks nothing is left behind
+    assert code == 130 and "interrupted" in err and len(fetched) == 3
+    assert signal.getsignal(signal.SIGTERM) == before  # the CLI puts the old handler back
+
+
+def test_model_card_names_the_release_folder_not_the_local_path(gpt2_out):
+    card = (gpt2_out / "README.md").read_text()
+    assert f"(source: `{GPT2.name}`)" in card
+    assert str(GPT2.parent) not in card
+
+
+HFGPT_COMMANDS = sorted(e.name for e in entry_points(group="console_scripts") if e.value.startswith("hfgpt."))
+
+
+@pytest.mark.parametrize("command", HFGPT_COMMANDS)
+def test_every_command_prints_its_help(command, capsys):
+    (entry,) = entry_points(group="console_scripts", name=command)
+    with pytest.raises(SystemExit) as stop:
+        entry.load()(["--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_the_commands_are_all_there():
+    assert HFGPT_COMMANDS == ["hfgpt-convert", "hfgpt-demo", "hfgpt-finetune", "hfgpt-push", "hfgpt-train"]
