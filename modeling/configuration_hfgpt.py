@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 # Named presets. Each row cites where its numbers come from.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -147,6 +148,11 @@ class GPTConfig(PretrainedConfig):
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {value}")
         if self.layer_norm_epsilon <= 0:
             raise ValueError(f"GPTConfig.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+        if self.summary_activation is not None and self.summary_activation not in ACT2FN:
+            raise ValueError(
+                f"GPTConfig.summary_activation {self.summary_activation!r} is not an activation transformers "
+                f"knows (transformers.activations.ACT2FN: {', '.join(sorted(ACT2FN))}); None for none"
+            )
         if self.lm_loss_weight < 0:
             raise ValueError(f"GPTConfig.lm_loss_weight must be >= 0, got {self.lm_loss_weight}")
         if self.classify_token_id is not None and not 0 <= self.classify_token_id < self.vocab_size:

@@ -61,6 +61,7 @@ def to_transformers_config(config: GPTConfig) -> transformers.PretrainedConfig:
         "id2label": config.id2label,
         "label2id": config.label2id,
         "problem_type": config.problem_type,
+        "tie_word_embeddings": config.tie_word_embeddings,  # an untied head must stay untied
     }
     if config.layer_norm_position == "pre":
         return transformers.GPT2Config(**{f: getattr(config, f) for f in _GPT2_CONFIG_FIELDS}, **common)

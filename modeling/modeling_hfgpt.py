@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -38,7 +39,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_hfgpt import GPTConfig
@@ -273,7 +274,10 @@ class GPTSequenceSummary(nn.Module):
         if config.summary_use_proj:
             out = num_outputs if config.summary_proj_to_labels and num_outputs > 0 else config.n_embd
             self.summary = nn.Linear(config.n_embd, out)
-        self.activation: Callable = torch.tanh if config.summary_activation == "tanh" else nn.Identity()
+        # As transformers' GPT2SequenceSummary: any of its activations by name, none for None.
+        self.activation: Callable = (
+            ACT2FN[config.summary_activation] if config.summary_activation else nn.Identity()
+        )
         self.first_dropout = nn.Dropout(config.summary_first_dropout)
 
     def forward(self, hidden_states: torch.Tensor, cls_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -468,6 +472,16 @@ class GPTPreTrainedModel(PreTrainedModel):
         return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
+def _check_index_range(ids: torch.Tensor, size: int, message: str) -> None:
+    """A clear error for ids outside an embedding table of `size` rows (F.embedding's comes from deep
+    inside torch); `message` is formatted with the offending id as `bad`."""
+    if ids.numel() == 0:
+        return
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= size:
+        raise ValueError(message.format(bad=int(low) if int(low) < 0 else int(high)))
+
+
 class GPTModel(GPTPreTrainedModel):
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -497,6 +511,8 @@ class GPTModel(GPTPreTrainedModel):
         batch: int,
         seq_len: int,
         past_seen: int,
+        position_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> None:
         """Clear errors for inputs that would otherwise fail deep inside torch (or silently wrap)."""
         total = past_seen + seq_len
@@ -509,6 +525,18 @@ class GPTModel(GPTPreTrainedModel):
         # only, not for each decoding step (whose tokens the model itself produced).
         if input_ids is not None and (past_seen == 0 or input_ids.device.type == "cpu"):
             self.check_input_ids(input_ids)
+        context, vocab = self.config.n_positions, self.wte.num_embeddings
+        for ids, size, message in (
+            (position_ids, context, f"position_ids contains {{bad}}, outside the context [0, {context})"),
+            (
+                token_type_ids,
+                vocab,
+                f"token_type_ids contains {{bad}}, outside [0, {vocab}): token types are embedded with the "
+                "token embeddings",
+            ),
+        ):
+            if ids is not None and (past_seen == 0 or ids.device.type == "cpu"):
+                _check_index_range(ids, size, message)
         if (
             attention_mask is not None
             and attention_mask.ndim == 2
@@ -521,16 +549,13 @@ class GPTModel(GPTPreTrainedModel):
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """A clear error for token ids outside the embeddings (F.embedding's would come from deep in torch)."""
-        if input_ids.numel() == 0:
-            return
-        low, high = torch.aminmax(input_ids)
         vocab = self.wte.num_embeddings
-        if int(low) < 0 or int(high) >= vocab:
-            bad = int(low) if int(low) < 0 else int(high)
-            raise ValueError(
-                f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab}) of the model's "
-                "embeddings (did the tokenizer add tokens without `model.resize_token_embeddings`?)"
-            )
+        _check_index_range(
+            input_ids,
+            vocab,
+            f"input_ids contains token id {{bad}}, outside the vocabulary [0, {vocab}) of the model's "
+            "embeddings (did the tokenizer add tokens without `model.resize_token_embeddings`?)",
+        )
 
     @merge_with_config_defaults
     @capture_outputs
@@ -562,7 +587,9 @@ class GPTModel(GPTPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         if not torch.compiler.is_compiling():
-            self._check_inputs(input_ids, attention_mask, batch, seq_len, past_seen)
+            self._check_inputs(
+                input_ids, attention_mask, batch, seq_len, past_seen, position_ids, token_type_ids
+            )
 
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
@@ -585,7 +612,7 @@ class GPTModel(GPTPreTrainedModel):
             hidden_states = block(
                 hidden_states,
                 causal_mask,
-                past_key_values,
+                past_key_values=past_key_values,  # a keyword: gradient checkpointing drops it in recomputation
                 position_ids=position_ids,
                 **kwargs,
             )
@@ -607,6 +634,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -636,6 +664,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # the heads read fields; their own return_dict is handled by can_return_tuple
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -687,6 +716,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         self.score = nn.Linear(config.n_embd, config.num_labels, bias=config.score_bias)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -714,6 +744,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             position_ids=position_ids,
             inputs_embeds=embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, [K,] T, E)
@@ -796,6 +827,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
         self.multiple_choice_head = GPTSequenceSummary(config, num_outputs=1)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -831,6 +863,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             position_ids=position_ids,
             inputs_embeds=embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, C, T, E)
@@ -879,6 +912,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
         self.classifier = nn.Linear(config.n_embd, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -899,6 +933,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,
             **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # (B, T, num_labels)
@@ -917,6 +952,7 @@ class GPTForQuestionAnswering(GPTPreTrainedModel):
         self.qa_outputs = nn.Linear(config.n_embd, 2)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -934,6 +970,7 @@ class GPTForQuestionAnswering(GPTPreTrainedModel):
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            return_dict=True,
             **kwargs,
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(-1)  # 2 x (B, T)

@@ -475,6 +475,12 @@ def test_bad_inputs_get_clear_errors():
         ours(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         ours()
+    with pytest.raises(ValueError, match=r"position_ids contains 64, outside the context \[0, 64\)"):
+        ours(torch.tensor([[1, 2]]), position_ids=torch.tensor([[63, 64]]))
+    with pytest.raises(ValueError, match=r"position_ids contains -1"):
+        ours(torch.tensor([[1, 2]]), position_ids=torch.tensor([[-1, 0]]))
+    with pytest.raises(ValueError, match=rf"token_type_ids contains {VOCAB}, outside \[0, {VOCAB}\)"):
+        ours(torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, VOCAB]]))
     _, clf = make_pair(GPTForSequenceClassification, "pre")
     with pytest.raises(ValueError, match="batch of 2 sequences without a pad token"):
         clf(random_ids(2, 5))
@@ -489,6 +495,10 @@ def test_bad_inputs_get_clear_errors():
         (dict(layer_norm_position="middle"), "layer_norm_position"),
         (dict(activation_function="gelu_fast"), "activation_function"),
         (dict(resid_pdrop=1.5), r"resid_pdrop must be in \[0, 1\)"),
+        (
+            dict(summary_activation="tanhh"),
+            "summary_activation 'tanhh' is not an activation transformers knows",
+        ),
     ],
 )
 def test_bad_config_values_are_refused_naming_the_field(kwargs, message):
@@ -565,3 +575,68 @@ def test_in_memory_conversion_from_transformers(head, norm):
     assert type(converted) is head and converted.config.layer_norm_position == norm
     for name, tensor in ours.state_dict().items():
         assert torch.equal(converted.state_dict()[name], tensor), name
+
+
+HEADS_WITH_PEERS = [
+    (head, norm) for head, peers in PEERS.items() for norm in NORMS if peers[NORMS.index(norm)]
+]
+
+
+@pytest.mark.parametrize(("head", "norm"), HEADS_WITH_PEERS)
+def test_return_dict_false_gives_transformers_tuple(head, norm):
+    extra = dict(pad_token_id=0) if head is GPTForSequenceClassification else {}
+    peer, ours = make_pair(head, norm, **extra)
+    ids = random_ids(1, 7)
+    labels = {GPTForCausalLM: dict(labels=ids)}.get(head, {})
+    with torch.no_grad():
+        expected = peer(ids, return_dict=False, **labels)
+        # transformers' GPT-1 has no cache to return; ours does unless told not to.
+        got = ours(ids, return_dict=False, use_cache=norm == "pre", **labels)
+    assert isinstance(got, tuple) and len(got) == len(expected)
+    for ours_item, theirs in zip(got, expected, strict=True):
+        if isinstance(theirs, torch.Tensor):
+            torch.testing.assert_close(ours_item, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_untied_model_exports_untied(norm):
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm, tie_word_embeddings=False)).eval()
+    assert ours.lm_head.weight.data_ptr() != ours.transformer.wte.weight.data_ptr()
+    exported = to_transformers(ours)
+    assert exported.config.tie_word_embeddings is False
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "gelu", "sigmoid"])
+def test_summary_activation_is_applied_as_transformers_does(activation):
+    peer, ours = make_pair(GPTDoubleHeadsModel, "pre", summary_activation=activation)
+    ids = random_ids(2 * 3, 9).view(2, 3, 9)
+    mc_token_ids = torch.tensor([[8, 5, 7], [3, 8, 8]])
+    with torch.no_grad():
+        expected = peer(ids, mc_token_ids=mc_token_ids).mc_logits
+        got = ours(ids, mc_token_ids=mc_token_ids).mc_logits
+        plain = GPTDoubleHeadsModel(
+            ours.config.__class__(**{**ours.config.to_dict(), "summary_activation": None})
+        )
+        plain.load_state_dict(ours.state_dict())
+        without = plain.eval()(ids, mc_token_ids=mc_token_ids).mc_logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(without, expected, atol=1e-3)  # the activation changes the logits
+
+
+def test_gradient_checkpointing_leaves_a_passed_cache_alone():
+    from transformers import DynamicCache
+
+    peer, ours = make_pair(GPTForCausalLM, "pre")
+    ids = random_ids(1, 8)
+    lengths = []
+    for model in (peer, ours):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cache = DynamicCache(config=model.config)
+        model(ids, labels=ids, past_key_values=cache, use_cache=True).loss.backward()  # recomputes each block
+        lengths.append(cache.get_seq_length())
+    assert lengths[1] == lengths[0] == 0
