@@ -75,6 +75,8 @@ class GPTConfig(PretrainedConfig):
         summary_*: the sequence-summary head of `GPTDoubleHeadsModel` (as transformers' GPT2Config).
         classifier_dropout: dropout before the token-classification head.
         score_bias: give the sequence-classification projection a bias (GPT-1's `clf` has one).
+        score_dropout: dropout on the pooled state before that projection (train.py's `clf_pdrop`, 0.1;
+            0 here by default, as transformers' GPT2ForSequenceClassification has none).
         classify_token_id: id of GPT-1's `_classify_` token; sequence heads pool at it when present.
         lm_loss_weight: lambda of GPT-1's auxiliary objective L3 = L2 + lambda * L1 (§3.2); 0 disables it.
     """
@@ -116,6 +118,7 @@ class GPTConfig(PretrainedConfig):
     summary_first_dropout: float | int = 0.1
     classifier_dropout: float | int = 0.1
     score_bias: bool = False
+    score_dropout: float | int = 0.0
     classify_token_id: int | None = None
     lm_loss_weight: float | int = 0.0
     use_cache: bool = True
@@ -142,6 +145,7 @@ class GPTConfig(PretrainedConfig):
             "attn_pdrop",
             "summary_first_dropout",
             "classifier_dropout",
+            "score_dropout",
         ):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:

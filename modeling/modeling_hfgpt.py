@@ -709,10 +709,15 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
     With `config.lm_loss_weight` > 0 the loss is L2 + lambda * L1, L1 the auxiliary LM loss on the inputs.
     """
 
+    # Its loss is a mean over the batch: Trainer must scale it for gradient accumulation itself, not pass
+    # num_items_in_batch (which **kwargs would otherwise advertise as handled).
+    accepts_loss_kwargs = False
+
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.transformer = GPTModel(config)
+        self.dropout = nn.Dropout(config.score_dropout)
         self.score = nn.Linear(config.n_embd, config.num_labels, bias=config.score_bias)
         self.post_init()
 
@@ -753,7 +758,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         index = self._pool_positions(input_ids, flat.shape[0], seq_len)
         pooled = flat[torch.arange(flat.shape[0], device=flat.device), index]  # (B*K, E)
         pooled = pooled.reshape(batch, -1, pooled.shape[-1]).sum(1)  # K orderings added: (B, E)
-        logits = self.score(pooled)  # (B, num_labels)
+        logits = self.score(self.dropout(pooled))  # (B, num_labels)
 
         loss = classification_loss = lm_loss = None
         if labels is not None:
@@ -819,6 +824,8 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
     `[_start_] context [_delimiter_] answer_k [_classify_]` per choice, §3.3)."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    accepts_loss_kwargs = False  # a batch-mean loss, as GPTForSequenceClassification
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -904,6 +911,8 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
 
 
 class GPTForTokenClassification(GPTPreTrainedModel):
+    accepts_loss_kwargs = False  # a batch-mean loss, as GPTForSequenceClassification
+
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -946,6 +955,8 @@ class GPTForTokenClassification(GPTPreTrainedModel):
 
 
 class GPTForQuestionAnswering(GPTPreTrainedModel):
+    accepts_loss_kwargs = False  # a batch-mean loss, as GPTForSequenceClassification
+
     def __init__(self, config: GPTConfig):
         super().__init__(config)
         self.transformer = GPTModel(config)

@@ -640,3 +640,74 @@ def test_gradient_checkpointing_leaves_a_passed_cache_alone():
         model(ids, labels=ids, past_key_values=cache, use_cache=True).loss.backward()  # recomputes each block
         lengths.append(cache.get_seq_length())
     assert lengths[1] == lengths[0] == 0
+
+
+def _batch_for(head: type, size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(size)
+    ids = torch.randint(1, VOCAB, (size, 6))
+    if head is GPTForSequenceClassification:
+        return dict(input_ids=ids, labels=torch.randint(0, 2, (size,)))
+    if head is GPTForTokenClassification:
+        labels = torch.randint(0, 2, (size, 6))
+        labels[:, :2] = -100  # uneven counts of real labels per row
+        return dict(input_ids=ids, labels=labels)
+    if head is GPTDoubleHeadsModel:
+        return dict(input_ids=ids.view(size, 1, 6).expand(size, 2, 6), mc_labels=torch.randint(0, 2, (size,)))
+    return dict(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize(
+    "head", [GPTForSequenceClassification, GPTForTokenClassification, GPTDoubleHeadsModel, GPTForCausalLM]
+)
+def test_gradient_accumulation_gives_the_update_of_one_large_batch(head, tmp_path):
+    """Trainer with batch 2 x 2 accumulation steps must take the step of batch 4 (it scales a batch-mean
+    loss itself unless the model says it handles num_items_in_batch)."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    rows = _batch_for(head, 4)
+
+    class Rows(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {k: v[i] for k, v in rows.items()}
+
+    def step(batch: int, accumulation: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        zero = dict(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, summary_first_dropout=0)
+        model = head(GPTConfig(**TINY, **zero, pad_token_id=0))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"{batch}x{accumulation}"),
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            max_grad_norm=0,
+            lr_scheduler_type="constant",
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_drop_last=False,
+        )
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        Trainer(model=model, args=args, train_dataset=Rows()).train()
+        return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+    whole, accumulated = step(4, 1), step(2, 2)
+    for name, update in whole.items():
+        torch.testing.assert_close(accumulated[name], update, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_score_dropout_acts_in_training_only():
+    config = GPTConfig(**TINY, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, pad_token_id=0)
+    ids = random_ids(2, 7)
+    plain = GPTForSequenceClassification(config).train()
+    assert torch.equal(plain(ids).logits, plain(ids).logits)  # default 0: transformers' head, no dropout
+    dropped = GPTForSequenceClassification(GPTConfig(**config.to_dict() | {"score_dropout": 0.5})).train()
+    dropped.load_state_dict(plain.state_dict())
+    assert not torch.equal(dropped(ids).logits, dropped(ids).logits)
+    dropped.eval()
+    torch.testing.assert_close(dropped(ids).logits, plain.eval()(ids).logits)
