@@ -6,13 +6,15 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AddedToken
 
-from hfgpt.tokenization import FINETUNE_TOKENS, GPT1Tokenizer, MissingDependencyError
+from hfgpt.tokenization import FINETUNE_TOKENS, GPT1Tokenizer, MissingDependencyError, text_standardize
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openai-gpt1-tiny"
 EXPECTED = json.loads((FIXTURE / "expected_texts.json").read_text(encoding="utf-8"))
@@ -188,6 +190,111 @@ def test_offsets_cover_each_piece(text: str) -> None:
         assert text[start:end].lower() == piece.removesuffix("</w>")
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # Adjacent HTML entities (found by hypothesis): a character diff gave "&" the "amp;" of an entity
+        # and "ab" the stretch "amp;&amp;ab". Each piece's span is what it stands for, worked by hand.
+        ("x&amp;&amp;&amp;ab’", ["x", "&amp;", "&amp;", "&amp;", "ab", "’"]),
+        ("ab&amp;'&amp;&amp;ab’", ["ab", "&amp;", "'", "&amp;", "&amp;", "ab", "’"]),
+        ("AT&amp;T and P&amp;G", ["AT", "&amp;", "T", "and", "P", "&amp;", "G"]),
+        # From the first line holding a "<" on, ftfy leaves entities alone: "&amp;" stays text.
+        (
+            "“a” &amp; b\n<b> &amp; “c”",
+            ["“", "a", "”", "&amp;", "b", "\n", "<", "b", ">", "&", "amp", ";", "“", "c", "”"],
+        ),
+        # A ligature, mojibake (BPE splits "été" into "é", "t", "é"), an accent NFC composes.
+        ("ﬁne Ã©tÃ© e\u0301", ["ﬁne", "Ã©", "t", "Ã©", "e\u0301"]),
+    ],
+)
+def test_offsets_after_ftfy_repairs_point_at_what_each_piece_stands_for(
+    tokenizer: GPT1Tokenizer, text: str, expected: list[str]
+) -> None:
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    assert encoded["input_ids"] == tokenizer(text)["input_ids"] == _shared()[1].encode(text)
+    assert [text[start:end] for start, end in encoded["offset_mapping"]] == expected
+
+
+_FTFY_FRAGMENTS = [
+    "a",
+    "ab",
+    "b",
+    " ",
+    "“",
+    "”",
+    "…",
+    "—",
+    "ﬁ",
+    "Ã©",
+    "'",
+    '"',
+    "’",
+    "&amp;",
+    "\n",
+    "é",
+    "e\u0301",
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(_FTFY_FRAGMENTS), max_size=25).map("".join))
+def test_offsets_after_ftfy_repairs_cover_each_piece(text: str) -> None:
+    import ftfy
+
+    tokenizer, _ = _shared()
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    assert encoded["input_ids"] == tokenizer(text)["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(encoded["input_ids"])
+    for piece, (start, end) in zip(pieces, encoded["offset_mapping"], strict=True):
+        span, piece = text[start:end], piece.removesuffix("</w>")
+        if piece == "\n":
+            assert span == "\n"
+        elif piece != tokenizer.unk_token:
+            # The span, repaired and standardised on its own, gives the piece.
+            assert piece in text_standardize(ftfy.fix_text(span)).lower()
+        if piece and set(piece) <= set("ab"):
+            # Letters no fragment repairs into are their own span, unless ftfy rewrote a stretch around
+            # them as a whole (every cut of it changes ftfy's result).
+            assert span.lower() == piece or all(
+                ftfy.fix_text(span[:k]) + ftfy.fix_text(span[k:]) != ftfy.fix_text(span)
+                for k in range(1, len(span))
+            )
+
+
+def test_offsets_on_long_repaired_text_take_linear_work(
+    tokenizer: GPT1Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ftfy changes this text (curly quotes uncurled): the offsets path must align the repaired text with
+    # the original without a diff of the whole text (quadratic: over 30 s on these 8,200 characters).
+    # Counted in work done, not time: characters given to ftfy, and the longest stretch diffed.
+    import difflib
+
+    import hfgpt.tokenization.tokenization_gpt1 as module
+
+    text = "He said “hello” — it's 9:30… naïve café. " * 200
+    fixed_chars, diffed = [0], [0]
+    fix_text, matcher = tokenizer._fix_text, difflib.SequenceMatcher
+
+    def counting_fix_text(part: str, *args: Any, **kwargs: Any) -> str:
+        fixed_chars[0] += len(part)
+        return fix_text(part, *args, **kwargs)
+
+    def counting_matcher(junk: Any, a: str, b: str, **kwargs: Any) -> difflib.SequenceMatcher:
+        diffed[0] = max(diffed[0], len(a))
+        return matcher(junk, a, b, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "_fix_text", counting_fix_text)
+    monkeypatch.setattr(module.difflib, "SequenceMatcher", counting_matcher)
+    plain = tokenizer(text)["input_ids"]
+    plain_chars, fixed_chars[0] = fixed_chars[0], 0
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    assert encoded["input_ids"] == plain
+    assert diffed[0] <= 100  # no diff of the whole text
+    assert fixed_chars[0] <= 20 * plain_chars  # a few ftfy passes over the text, not one per character
+    spans = {text[start:end] for start, end in encoded["offset_mapping"]}
+    assert {"“", "”", "…", "hello", "naïve"} <= spans
+
+
 def test_batches_pad_truncate_and_mask() -> None:
     tokenizer = GPT1Tokenizer(add_finetune_tokens=True, pad_token="<unk>", padding_side="left")
     texts = ["a b c", "hello\n\nthere  world, friend"]
@@ -207,6 +314,23 @@ def test_batches_pad_truncate_and_mask() -> None:
     pair = tokenizer("a b", "c d e", truncation="only_second", max_length=4, return_offsets_mapping=True)
     assert pair["input_ids"] == tokenizer("a b c d")["input_ids"]
     assert pair["offset_mapping"] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+
+
+def test_batch_of_pairs_with_offsets_encodes_each_pair(tokenizer: GPT1Tokenizer) -> None:
+    # transformers' batch loop reads a (text, pair) tuple (or two-item list) in a batch as one pair.
+    batch = [("a b", "c d e"), ["hello", "world"]]
+    expected_ids = tokenizer(batch)["input_ids"]
+    assert expected_ids == [tokenizer(text, pair)["input_ids"] for text, pair in batch]
+    for encoded in (
+        tokenizer(batch, return_offsets_mapping=True),
+        tokenizer([t for t, _ in batch], [p for _, p in batch], return_offsets_mapping=True),
+    ):
+        assert encoded["input_ids"] == expected_ids
+        assert encoded["offset_mapping"] == [
+            tokenizer(text, return_offsets_mapping=True)["offset_mapping"]
+            + tokenizer(pair, return_offsets_mapping=True)["offset_mapping"]
+            for text, pair in batch
+        ]
 
 
 def test_missing_dependencies_refuse_with_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,6 +361,93 @@ def test_save_writes_original_files_and_reloads(tmp_path: Path) -> None:
     assert reloaded(text)["input_ids"] == EXPECTED["ids"][2]
     # The files are the original's, so the original-format reader gives the same ids.
     assert ReferenceTextEncoder().encode(text) == EXPECTED["ids"][2]
+
+
+def test_added_token_options_match_transformers_tokenizers() -> None:
+    # single_word, lstrip and rstrip as transformers' GPT2Tokenizer (the `tokenizers` library) applies
+    # them: where each added token matches, and the span it takes.
+    from hfgpt.tokenization import GPT2Tokenizer
+
+    options = [
+        AddedToken("qqzx", single_word=True),
+        AddedToken("<m>", lstrip=True, rstrip=True),
+        AddedToken("<l>", lstrip=True),
+        AddedToken("<r>", rstrip=True),
+    ]
+    texts = [
+        "conqqzxenate the qqzx",
+        "qqzx_a qqzx. (qqzx) éqqzx qqzx9",
+        "a <m>  b a<m>b\n<m>\n",
+        "x <l> <r> y <r>  <l> z",
+    ]
+    ours, reference = GPT1Tokenizer(), GPT2Tokenizer()
+    for tokenizer in (ours, reference):
+        tokenizer.add_tokens(options)
+
+    def added_spans(tokenizer: Any, text: str) -> list[tuple[str, str]]:
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"])
+        return [
+            (token, text[start:end])
+            for token, (start, end) in zip(tokens, encoded["offset_mapping"], strict=True)
+            if token in {option.content for option in options}
+        ]
+
+    for text in texts:
+        assert added_spans(ours, text) == added_spans(reference, text)
+        assert ours(text)["input_ids"] == ours(text, return_offsets_mapping=True)["input_ids"]
+    # A single_word token inside a word leaves the word whole: the same pieces as without the token.
+    qqzx = ours.convert_tokens_to_ids("qqzx")
+    assert ours("conqqzxenate the qqzx")["input_ids"] == [
+        *GPT1Tokenizer()("conqqzxenate the")["input_ids"],
+        qqzx,
+    ]
+    assert ours.tokenize("a <m>  b") == ["a</w>", "<m>", "b</w>"]
+
+
+def test_datasets_fingerprint_survives_tokenizing(tmp_path: Path) -> None:
+    # datasets fingerprints Dataset.map's function, tokenizer included, to find its cached result; the
+    # BPE memo and spaCy's growing vocabulary must not change that fingerprint.
+    import copy
+    import pickle
+
+    import datasets
+
+    tokenizer = GPT1Tokenizer(add_finetune_tokens=True)
+    datasets.Dataset.from_dict({"text": ["hello world", "isn't it?"] * 4}).save_to_disk(tmp_path / "data")
+    dataset = datasets.load_from_disk(tmp_path / "data")
+
+    def tokenize(batch: dict[str, list[str]]) -> Any:
+        return tokenizer(batch["text"])
+
+    first = dataset.map(tokenize, batched=True)  # tokenizes new words: the memo and spaCy's vocabulary grow
+    second = dataset.map(tokenize, batched=True)
+    assert second.cache_files == first.cache_files  # the second map found the first one's result
+
+    # Pickling and copying still give a working tokenizer (spaCy's rules rebuilt, the memo kept).
+    text = "_start_ zyzzyva quokkas aren't xylophones_classify_"
+    ids = tokenizer(text)["input_ids"]
+    for clone in (pickle.loads(pickle.dumps(tokenizer)), copy.deepcopy(tokenizer)):
+        assert clone(text)["input_ids"] == ids
+        assert clone.finetune_token_ids == EXPECTED["special_tokens"]
+
+
+def test_decoding_added_tokens_as_transformers_openai_gpt() -> None:
+    # An added token carries no word end, so it joins the next word ("_start_hello"): transformers'
+    # OpenAIGPTTokenizer decodes the same ids to the same string.
+    from transformers import OpenAIGPTTokenizer
+
+    theirs = OpenAIGPTTokenizer(
+        vocab=str(FIXTURE / "encoder_bpe_40000.json"), merges=str(FIXTURE / "vocab_40000.bpe")
+    )
+    theirs.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in FINETUNE_TOKENS], special_tokens=True
+    )
+    ours = GPT1Tokenizer(add_finetune_tokens=True)
+    ids = ours("_start_Hello_delimiter_World_classify_")["input_ids"]
+    assert theirs.convert_ids_to_tokens(ids) == ours.convert_ids_to_tokens(ids)
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
 def test_resize_embeddings_to_tokenizer() -> None:

@@ -26,6 +26,7 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ _NEWLINE_RUN = re.compile(r"\s*\n\s*")
 _OTHER_WHITESPACE_RUN = re.compile(r"[^\S\n]+")
 
 _WORD_END = "</w>"
+# What the `tokenizers` library counts as a word character around a single_word added token (regex \w).
+_WORD_CHARACTER = re.compile(r"\w")
 
 
 class MissingDependencyError(ImportError):
@@ -108,20 +111,135 @@ def _standardized_to_fixed(fixed: str, standardized: str) -> list[int]:
     return positions
 
 
-def _fixed_to_original(original: str, fixed: str) -> list[tuple[int, int]]:
-    """For each character of ``ftfy.fix_text(original)``, the span of ``original`` it came from.
+def _fixed_to_original(original: str, fixed: str, fix_text: Callable[..., str]) -> list[tuple[int, int]]:
+    """For each character of ``fixed = fix_text(original)`` (``ftfy.fix_text``), the span of ``original``
+    it came from.
 
-    ftfy offers no alignment; unchanged stretches map one to one, and a changed stretch (mojibake repaired,
-    a ligature expanded, NFC composition) maps as a whole onto the stretch it replaced.
+    ftfy offers no alignment, and a character diff is no substitute: difflib's is quadratic (minutes on a
+    page of text) and pairs a fixed character with any equal one nearby (in ``x&amp;&amp;&amp;ab`` it
+    gave an ``&`` the ``amp;`` of an entity, and ``ab`` the stretch ``amp;&amp;ab``). ftfy's fixes are
+    local instead (an HTML entity, a mojibake sequence, a ligature, a curly quote), so: cut a stretch
+    into parts, fix each part alone, and where the parts' fixes concatenate to the stretch's fix, each
+    fixed character comes from its part. Repeating this narrows every change down to the smallest
+    stretch ftfy rewrites as a whole (``&amp;`` -> ``&``, ``Ã©`` -> ``é``, ``ﬁ`` -> ``fi``), all of whose
+    fixed characters map onto it. Unchanged parts map one to one at once, so the cost is a few ftfy
+    passes over the changed text.
     """
-    if fixed == original:
-        return [(i, i + 1) for i in range(len(fixed))]
+    first_lt = original.find("<")
+    # A memo: words recur, and a part's fix depends only on its text and on the HTML rule below.
+    fixes: dict[tuple[str, bool], str] = {}
+
+    def fix(start: int, end: int) -> str:
+        # fix_text works line by line and, from the first line holding a "<" on, leaves HTML entities
+        # alone (TextFixerConfig.unescape_html="auto"); a part fixed on its own must do the same.
+        line_end = original.find("\n", start) + 1 or len(original)
+        key = (original[start:end], 0 <= first_lt < line_end)
+        if key not in fixes:
+            fixes[key] = fix_text(key[0], unescape_html=False) if key[1] else fix_text(key[0])
+        return fixes[key]
+
+    spans: list[tuple[int, int]] = []
+    stretches = [(0, len(original), fixed)]  # still to align, the next one last
+    while stretches:
+        start, end, target = stretches.pop()
+        if original[start:end] == target:
+            spans.extend((i, i + 1) for i in range(start, end))
+            continue
+        for cuts in _cut_plans(original, start, end):
+            parts = _split_where_fixes_agree(start, end, cuts, target, fix)
+            if parts is not None:
+                stretches.extend(reversed(parts))
+                break
+        else:
+            if end - start <= _ALIGN_CUTS + 1:
+                # Every cut changes ftfy's result: it rewrote this stretch as a whole.
+                spans.extend([(start, end)] * len(target))
+            else:
+                # A long stretch that no cut tried splits (rare: mojibake that ftfy decodes a line at a
+                # time); a diff of that stretch alone is the best guess left.
+                spans.extend((start + s, start + e) for s, e in _diff_spans(original[start:end], target))
+    return spans
+
+
+def _split_where_fixes_agree(
+    start: int, end: int, cuts: list[int], target: str, fix: Callable[[int, int], str]
+) -> list[tuple[int, int, str]] | None:
+    """``[start, end)`` cut at those of ``cuts`` where the parts' own fixes concatenate to ``target``, the
+    fix of the whole, as (start, end, fixed part); None when no cut keeps to ``target``.
+
+    A cut whose left part's fix does not continue ``target`` (it split an entity, a mojibake sequence or
+    a CR LF) is dropped, the part growing to the next cut.
+    """
+    parts: list[tuple[int, int, str]] = []
+    part_start, position = start, 0
+    for cut in [*cuts, end]:
+        part = fix(part_start, cut)
+        if target.startswith(part, position) and (cut < end or position + len(part) == len(target)):
+            parts.append((part_start, cut, part))
+            part_start, position = cut, position + len(part)
+    return parts if part_start == end and len(parts) > 1 else None
+
+
+# _fixed_to_original cuts a changed stretch into up to _ALIGN_PARTS parts at once, moving each cut up to
+# _ALIGN_SNAP characters forward to the end of a whitespace run (so that it rarely splits an entity, a
+# mojibake sequence or a CR LF); failing that, it tries each single cut within _ALIGN_CUTS // 2 of the
+# middle, so every cut of a stretch of up to _ALIGN_CUTS + 1 characters.
+_ALIGN_PARTS = 16
+_ALIGN_SNAP = 16
+_ALIGN_CUTS = 24
+_WHITESPACE_RUN = re.compile(r"\s+")
+
+
+def _cut_plans(text: str, start: int, end: int) -> Iterator[list[int]]:
+    """Ways to cut ``text[start:end]``, best first: many parts ending in whitespace, then single cuts
+    (those after whitespace first)."""
+    length = end - start
+    if length < 2:
+        return
+    parts = min(_ALIGN_PARTS, length)
+    cuts: list[int] = []
+    for k in range(1, parts):
+        cut = start + k * length // parts
+        space = _WHITESPACE_RUN.search(text, cut - 1, min(cut - 1 + _ALIGN_SNAP, end))
+        if space and space.end() < end:
+            cut = space.end()
+        if (cuts[-1] if cuts else start) < cut:
+            cuts.append(cut)
+    yield cuts
+    middle = start + length // 2
+    nearest = range(max(start + 1, middle - _ALIGN_CUTS // 2), min(end, middle + _ALIGN_CUTS // 2 + 1))
+    inside_word = [not text[cut - 1].isspace() or text[cut].isspace() for cut in nearest]
+    for _, _, cut in sorted(zip(inside_word, (abs(cut - middle) for cut in nearest), nearest, strict=True)):
+        yield [cut]
+
+
+def _diff_spans(original: str, fixed: str) -> list[tuple[int, int]]:
+    """difflib's alignment of two strings, as spans of ``original`` per character of ``fixed``."""
     spans: list[tuple[int, int]] = [(0, 0)] * len(fixed)
     matcher = difflib.SequenceMatcher(None, original, fixed, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         for j in range(j1, j2):
             spans[j] = (i1 + j - j1, i1 + j - j1 + 1) if tag == "equal" else (i1, i2)
     return spans
+
+
+class _EnglishWordSplitter:
+    """spaCy's English tokenizer rules, pickled as the recipe that rebuilds them.
+
+    ``spacy.blank("en")`` carries the tokenizer alone: the original loaded spaCy's ``en`` with the parser,
+    tagger, ner and textcat disabled. spaCy adds every new string it meets to its vocabulary, so pickling
+    the pipeline itself would make a GPT1Tokenizer's pickle, and datasets' fingerprint of it, change with
+    every text it has tokenized (and Dataset.map never reuse its cache).
+    """
+
+    def __init__(self) -> None:
+        self._nlp = importlib.import_module("spacy").blank("en")
+
+    def __call__(self, text: str) -> Any:
+        return self._nlp.make_doc(text)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (type(self), ())
 
 
 class GPT1Tokenizer(PreTrainedTokenizer):
@@ -148,10 +266,9 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         clean_up_tokenization_spaces: bool = True,
         **kwargs: Any,
     ) -> None:
-        ftfy, spacy = _import_gpt1_dependencies()
+        ftfy, _ = _import_gpt1_dependencies()
         self._fix_text = ftfy.fix_text
-        # Only the tokenizer runs: the original loaded spaCy's `en` with parser/tagger/ner/textcat disabled.
-        self._nlp = spacy.blank("en")
+        self._nlp = _EnglishWordSplitter()
 
         shipped = Path(__file__).parent / "data" / "openai-gpt"
         self.vocab_file = str(vocab_file or shipped / VOCAB_FILES_NAMES["vocab_file"])
@@ -163,7 +280,10 @@ class GPT1Tokenizer(PreTrainedTokenizer):
             # The original skips the "#version" header and the empty string after the final newline.
             merges = handle.read().split("\n")[1:-1]
         self.bpe_ranks: dict[tuple[str, ...], int] = {tuple(m.split()): i for i, m in enumerate(merges)}
-        self._bpe_cache: dict[str, str] = {}
+        # The BPE memo. Named `cache` as in transformers' Python tokenizers: datasets' fingerprinting (its
+        # pickler for PreTrainedTokenizerBase) empties an attribute of that name, so that a tokenizer that
+        # has already tokenized some text hashes the same and Dataset.map finds its cached results.
+        self.cache: dict[str, str] = {}
 
         super().__init__(
             unk_token=unk_token,
@@ -210,8 +330,8 @@ class GPT1Tokenizer(PreTrainedTokenizer):
     # -- the original pipeline ----------------------------------------------------------------------------
     def bpe(self, token: str) -> str:
         """BPE of one lower-cased spaCy token, as the original's ``TextEncoder.bpe``: space-joined pieces."""
-        if token in self._bpe_cache:
-            return self._bpe_cache[token]
+        if token in self.cache:
+            return self.cache[token]
         word = tuple(token[:-1]) + (token[-1] + _WORD_END,)
         while len(word) > 1:
             pairs = set(zip(word, word[1:], strict=False))
@@ -232,18 +352,18 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         # The original's special case: spaCy's newline token "\n " would otherwise give "\n", "", "</w>".
         if result == "\n  </w>":
             result = "\n</w>"
-        self._bpe_cache[token] = result
+        self.cache[token] = result
         return result
 
     def _pieces(self, text: str, with_offsets: bool) -> tuple[list[str], list[tuple[int, int]]]:
         fixed = self._fix_text(text)
         standardized = text_standardize(fixed)
-        doc = self._nlp.make_doc(standardized)
+        doc = self._nlp(standardized)
         pieces: list[str] = []
         offsets: list[tuple[int, int]] = []
         if with_offsets:
             to_fixed = _standardized_to_fixed(fixed, standardized)
-            to_original = _fixed_to_original(text, fixed)
+            to_original = _fixed_to_original(text, fixed, self._fix_text)
         for token in doc:
             lowered = token.text.lower()
             # The original splits the joined string on " ", so do the same (no piece contains a space).
@@ -279,21 +399,52 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         the id of the added token it is, or None for text.
 
         transformers' own splitting would also match a literal "<unk>" in the text, which the original
-        tokenizes as ordinary text (it only ever produces id 0, never reads it).
+        tokenizes as ordinary text (it only ever produces id 0, never reads it). Each added token's options
+        apply as in transformers' tokenizers (the ``tokenizers`` library's ``AddedVocabulary.find_matches``):
+        a ``single_word`` token is no match where a word character touches it, and ``lstrip``/``rstrip``
+        make its chunk take the whitespace on its left/right (so its offsets cover that whitespace too).
         """
         unk = str(self.unk_token)
         added = {t: i for t, i in self._added_tokens_encoder.items() if t != unk}
         if split_special_tokens or not added:
             return [(text, None)]
-        pattern = "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
-        return [(chunk, added.get(chunk)) for chunk in re.split(pattern, text) if chunk]
+        # Longest first, so that of two tokens starting at one place the longer matches (leftmost-longest).
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
+        chunks: list[tuple[str, int | None]] = []
+        done = 0  # end of the last added token's chunk
+        for match in pattern.finditer(text):
+            start, end = match.span()
+            token_id = added[match.group()]
+            token = self._added_tokens_decoder[token_id]
+            if start < done:
+                continue  # inside the whitespace the previous token's rstrip took
+            if token.single_word and (
+                (start > 0 and _WORD_CHARACTER.match(text[start - 1])) or _WORD_CHARACTER.match(text, end)
+            ):
+                continue
+            if token.lstrip:
+                while start > done and text[start - 1].isspace():
+                    start -= 1
+            if token.rstrip:
+                while end < len(text) and text[end].isspace():
+                    end += 1
+            if done < start:
+                chunks.append((text[done:start], None))
+            chunks.append((text[start:end], token_id))
+            done = end
+        if done < len(text):
+            chunks.append((text[done:], None))
+        return chunks
 
     def tokenize(self, text: str, **kwargs: Any) -> list[str]:
         split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
         text, kwargs = self.prepare_for_tokenization(text, **kwargs)
         pieces: list[str] = []
         for chunk, added_id in self._chunks(text, split_special_tokens):
-            pieces.extend([chunk] if added_id is not None else self._tokenize(chunk))
+            if added_id is None:
+                pieces.extend(self._tokenize(chunk))
+            else:
+                pieces.append(self._added_tokens_decoder[added_id].content)
         return pieces
 
     def _ids_and_offsets(self, text: str, split_special_tokens: bool) -> tuple[list[int], list]:
@@ -342,8 +493,7 @@ class GPT1Tokenizer(PreTrainedTokenizer):
             pairs = text_pair if text_pair is not None else [None] * len(text)
             items = [
                 self._encode_with_offsets(
-                    t,
-                    p,
+                    *_text_and_pair(t, p),
                     truncation_strategy=truncation_strategy,
                     max_length=max_length,
                     stride=stride,
@@ -369,6 +519,10 @@ class GPT1Tokenizer(PreTrainedTokenizer):
             ]
             return BatchEncoding(dict(padded), tensor_type=return_tensors)
 
+        if not isinstance(text, str) or not isinstance(text_pair, (str, type(None))):
+            raise NotImplementedError(
+                "GPT1Tokenizer returns offsets for texts (str) only, not for token ids or tokens."
+            )
         ids, offsets = self._ids_and_offsets(text, split_special_tokens)
         pair_ids, pair_offsets = (
             self._ids_and_offsets(text_pair, split_special_tokens) if text_pair is not None else (None, None)
@@ -423,6 +577,18 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         with open(merges_path, "w", encoding="utf-8") as handle:
             handle.write("#version: 0.2\n" + "".join(" ".join(m) + "\n" for m in merges))
         return vocab_path, merges_path
+
+
+def _text_and_pair(text: Any, pair: Any) -> tuple[Any, Any]:
+    """One batch item as (text, pair): a (text, pair) tuple or list in a batch is one pair of texts, as
+    transformers' own batch loop (PreTrainedTokenizer._encode_plus) reads it."""
+    if isinstance(text, (list, tuple)) and pair is None:
+        if len(text) == 2:
+            return text[0], text[1]
+        if len(text) == 1:
+            return text[0], None
+        raise ValueError(f"Expected a pair of sequences, got {len(text)} sequences.")
+    return text, pair
 
 
 # prepare_for_model's output flags that callers may pass through __call__.
