@@ -14,11 +14,14 @@ task into token sequences the pre-trained decoder can read, with three added tok
 
 Truncation follows openai/finetune-transformer-lm `train.py` (`transform_roc`): every segment of a
 two-segment input is cut to `max_len = n_ctx // 2 - 2` tokens, so the whole never exceeds the context.
+The plain (GPT-2 style) inputs, texts joined by EOS, are cut longest text first, as transformers' fast
+tokenizers cut a text pair (`truncation="longest_first"`): a long first text never pushes out the second.
 
 The metrics are `evaluate.Metric` subclasses defined here, because `evaluate.load("accuracy")` downloads
 its script from the Hub and fails offline; they have the same `compute` / `add_batch` interface.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,6 +95,36 @@ def transform_pair(
         max_len = _segment_length(n_ctx)
         first, second = first[:max_len], second[:max_len]
     return [tokens.start, *first, tokens.delimiter, *second, tokens.classify]
+
+
+def longest_first(lengths: tuple[int, int], budget: int) -> tuple[int, int]:
+    """How many tokens of each of two texts to keep so that together they fit in `budget`: the longer text
+    is cut first; when both must be cut, the shorter keeps `budget // 2` and the longer the rest (of two
+    equal texts, the second counts as the longer). The `tokenizers` library's rule for a pair
+    (`TruncationStrategy::LongestFirst`), which transformers' fast tokenizers apply."""
+    first, second = lengths
+    if first + second <= budget:
+        return first, second
+    short_keep = min(first, second, budget // 2)
+    long_keep = budget - short_keep
+    return (short_keep, long_keep) if first <= second else (long_keep, short_keep)
+
+
+def transform_plain(
+    texts: Sequence[Sequence[int]], separator: Sequence[int], n_ctx: int, truncate: bool = True
+) -> list[int]:
+    """`--recipe plain` (GPT-2 sequence classification, pooled at the last token): one text, or two joined
+    by `separator` (EOS). With `truncate`, a text is cut to `n_ctx` tokens and a pair is cut with
+    `longest_first`, so the hypothesis of an entailment pair survives a long premise."""
+    if len(texts) == 1:
+        return list(texts[0][:n_ctx]) if truncate else list(texts[0])
+    if len(texts) != 2:
+        raise FinetuneInputError(f"--recipe plain joins one or two texts, got {len(texts)}")
+    first, second = texts
+    if truncate:
+        keep_first, keep_second = longest_first((len(first), len(second)), max(n_ctx - len(separator), 0))
+        first, second = first[:keep_first], second[:keep_second]
+    return [*first, *separator, *second]
 
 
 def transform_example(
@@ -178,7 +211,42 @@ def _features(dtype: str) -> datasets.Features:
     return datasets.Features({"predictions": datasets.Value(dtype), "references": datasets.Value(dtype)})
 
 
-class Accuracy(evaluate.Metric):
+def _check_class_ids(metric: str, name: str, values: Any) -> None:
+    """Refuse values that are not class ids (a float with a fraction, NaN, a string): scikit-learn's
+    `accuracy_score` / `f1_score` raise on such "continuous" targets, where a cast to int64 would silently
+    turn regression scores into classes."""
+    if values is None:
+        return
+    for value in np.asarray(values, dtype=object).reshape(-1):
+        if isinstance(value, (bool, int, np.bool_, np.integer)):
+            continue
+        if isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
+            continue
+        raise ValueError(
+            f"{metric}: {name} hold {value!r}, not a class id; classification metrics take integer "
+            "classes (scikit-learn refuses continuous values too); use pearsonr for regression scores"
+        )
+
+
+class _ClassMetric(evaluate.Metric):
+    """An evaluate metric over class ids: every batch is checked before evaluate casts it to int64
+    (`compute` adds its inputs through `add_batch`)."""
+
+    # Each needs a docstring: evaluate.EvaluationModule.__init__ appends the inputs' description to it.
+    def add_batch(self, *, predictions: Any = None, references: Any = None, **kwargs: Any) -> None:
+        """`evaluate.Metric.add_batch`, refusing values that are not class ids."""
+        _check_class_ids(self.name, "predictions", predictions)
+        _check_class_ids(self.name, "references", references)
+        super().add_batch(predictions=predictions, references=references, **kwargs)
+
+    def add(self, *, prediction: Any = None, reference: Any = None, **kwargs: Any) -> None:
+        """`evaluate.Metric.add`, refusing a value that is not a class id."""
+        _check_class_ids(self.name, "predictions", [prediction] if prediction is not None else None)
+        _check_class_ids(self.name, "references", [reference] if reference is not None else None)
+        super().add(prediction=prediction, reference=reference, **kwargs)
+
+
+class Accuracy(_ClassMetric):
     """Fraction of predictions equal to the references."""
 
     def _info(self) -> evaluate.MetricInfo:
@@ -190,7 +258,7 @@ class Accuracy(evaluate.Metric):
         return {"accuracy": float(np.mean(np.asarray(predictions) == np.asarray(references)))}
 
 
-class F1(evaluate.Metric):
+class F1(_ClassMetric):
     """F1 of the positive class (`average="binary"`, `pos_label=1`) or the macro average over classes."""
 
     def _info(self) -> evaluate.MetricInfo:
@@ -232,7 +300,8 @@ class PearsonR(evaluate.Metric):
         pred, ref = np.asarray(predictions, dtype=np.float64), np.asarray(references, dtype=np.float64)
         pred, ref = pred - pred.mean(), ref - ref.mean()
         denom = np.sqrt(np.sum(pred**2) * np.sum(ref**2))
-        return {"pearsonr": float(np.sum(pred * ref) / denom) if denom else 0.0}
+        # A constant input has no correlation: NaN, as scipy.stats.pearsonr (the Hub metric) returns.
+        return {"pearsonr": float(np.sum(pred * ref) / denom) if denom else float("nan")}
 
 
 LOCAL_METRICS: dict[str, type[evaluate.Metric]] = {"accuracy": Accuracy, "f1": F1, "pearsonr": PearsonR}
@@ -269,8 +338,15 @@ def compute_metrics_fn(
     metric_names: Sequence[str], regression: bool = False, num_labels: int = 2
 ) -> Callable[[Any], dict]:
     """`compute_metrics` for Trainer from metric names (argmax of the logits, or the score for regression).
-    F1 is the positive class's for two labels and the macro average for more."""
+    F1 is the positive class's for two labels and the macro average for more. Accuracy and F1 compare
+    classes, so they are refused for regression (their inputs would be scores)."""
     metrics = [load_metric(name) for name in metric_names]
+    if regression:
+        for name, metric in zip(metric_names, metrics, strict=True):
+            if isinstance(metric, _ClassMetric):
+                raise FinetuneInputError(
+                    f"metric {name!r} compares classes, but a regression model predicts scores; use pearsonr"
+                )
 
     def compute(eval_pred: Any) -> dict[str, float]:
         logits, labels = eval_pred.predictions, eval_pred.label_ids
@@ -300,8 +376,10 @@ __all__ = [
     "check_length",
     "compute_metrics_fn",
     "load_metric",
+    "longest_first",
     "pick_classification_logits",
     "transform_example",
     "transform_pair",
+    "transform_plain",
     "transform_single",
 ]

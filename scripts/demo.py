@@ -9,6 +9,9 @@ same pieces a real training would: a `tokenizers` WordLevel tokenizer wrapped in
 `PreTrainedTokenizerFast`, `GPTConfig` / `GPTForCausalLM`, `Trainer`, `save_pretrained`, then
 `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` and `generate()` on held-out sequences. It
 prints the exact-match accuracy and writes two pictures: the loss curve and the last layer's attention.
+
+Exit status: 0 after the run; 2 for settings it cannot run with (a usage error from the argument parser,
+or an `error: ...` line naming the setting).
 """
 
 import argparse
@@ -84,6 +87,13 @@ class LossInProgressBar(ProgressCallback):
 def make_sequences(n: int, length: int, rng: random.Random, exclude: set[str] | None = None) -> list[str]:
     """`n` distinct digit strings, none in `exclude` (so the held-out set is truly unseen)."""
     seen = set(exclude or ())
+    available = len(DIGITS) ** length - sum(len(s) == length and set(s) <= set(DIGITS) for s in seen)
+    if n > available:
+        # Drawing until n distinct strings turn up would never end.
+        raise DemoError(
+            f"{n} distinct sequences of {length} digits asked for, but only {available} are left "
+            f"(of {len(DIGITS)}**{length})"
+        )
     out: list[str] = []
     while len(out) < n:
         digits = "".join(rng.choice(DIGITS) for _ in range(length))
@@ -158,13 +168,30 @@ def plot_attention(attentions: torch.Tensor, tokens: list[str], path: Path) -> N
     plt.close(fig)
 
 
+def check_settings(s: DemoSettings) -> None:
+    """Refuse settings the demo cannot run with, naming the one at fault."""
+    if s.length < 2:
+        raise DemoError(f"length {s.length}: a sequence needs at least 2 digits to sort")
+    if s.steps < 1:
+        raise DemoError(f"steps {s.steps}: train at least 1 step")
+    if s.n_test < 1:
+        raise DemoError(f"n_test {s.n_test}: the accuracy needs at least 1 held-out sequence")
+    if s.n_train < s.batch_size:
+        raise DemoError(f"n_train {s.n_train}: fewer training sequences than one batch ({s.batch_size})")
+    distinct = len(DIGITS) ** s.length
+    if s.n_train + s.n_test > distinct:
+        raise DemoError(
+            f"n_train + n_test = {s.n_train + s.n_test} distinct sequences, but only {distinct} of "
+            f"length {s.length} exist; lower --n-train / --n-test or raise --length"
+        )
+
+
 def run_demo(
     output_dir: str | os.PathLike = "hfgpt-demo-output", settings: DemoSettings | None = None
 ) -> dict:
     """Train, save, reload, evaluate and draw. Returns accuracy, paths and timings."""
     s = settings or DemoSettings()
-    if s.length < 2 or s.steps < 1 or s.n_train < s.batch_size:
-        raise DemoError(f"settings too small: {s}")
+    check_settings(s)
     start = time.perf_counter()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,28 +264,39 @@ def run_demo(
     }
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse reports anything else as a usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = DemoSettings()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", default="hfgpt-demo-output", help="where the model and pictures go")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="training steps")
     parser.add_argument("--length", type=int, default=defaults.length, help="digits per sequence")
-    parser.add_argument("--n-train", type=int, default=defaults.n_train, help="training sequences")
-    parser.add_argument("--n-test", type=int, default=defaults.n_test, help="held-out sequences to sort")
+    parser.add_argument("--n-train", type=positive_int, default=defaults.n_train, help="training sequences")
+    parser.add_argument(
+        "--n-test", type=positive_int, default=defaults.n_test, help="held-out sequences to sort"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="CPU threads for torch (default 1: the model is so small that a second thread mostly waits "
         "at OpenMP barriers; on a busy 2-core machine 2 threads ran 100 steps in 100 s, 1 thread in 8 s)",
     )
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     settings = DemoSettings(
         steps=args.steps, length=args.length, n_train=args.n_train, n_test=args.n_test, seed=args.seed
     )
     try:
+        check_settings(settings)  # before anything is set or written
+        torch.set_num_threads(args.threads)
         result = run_demo(args.output_dir, settings)
     except DemoError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -13,7 +13,11 @@ The defaults are the paper's fine-tuning hyper-parameters (§4.1 / train.py): le
 batch 32, 3 epochs, linear decay with 0.2% warm-up, weight decay 0.01, gradient clipping 1, and the
 auxiliary LM objective with lambda 0.5 (`--lm_loss_weight 0` gives plain L2). `--recipe plain` skips the
 added tokens and pools at the last token, as transformers' GPT2ForSequenceClassification does. Metrics
-(`--metrics accuracy,f1` or `pearsonr` for regression) are computed offline with hfgpt's evaluate metrics.
+(`--metrics accuracy,f1`; `pearsonr`, the default, for regression) are computed offline with hfgpt's
+evaluate metrics.
+
+Exit status: 0 after training; 2 for bad input, before training starts: a usage error from the argument
+parser, or a data / model problem printed as one `error: ...` line naming the file, column or value at fault.
 """
 
 import json
@@ -49,12 +53,14 @@ from hfgpt.modeling.finetune import (
     compute_metrics_fn,
     pick_classification_logits,
     transform_example,
+    transform_plain,
 )
 from hfgpt.scripts.train_lm import (
     KEEP_FREED_MEMORY_FIELD,
     _check_file,
     _parse_overrides,
     keep_freed_memory_on_cpu,
+    load_local_files,
     load_tokenizer,
     push_checkpoint,
     save_complete_checkpoint,
@@ -95,7 +101,12 @@ class FinetuneArguments:
         default=True,
         metadata={"help": "Cut segments as train.py does; with --truncate false, refuse long inputs."},
     )
-    metrics: str = field(default="accuracy", metadata={"help": "Comma-separated: accuracy, f1, pearsonr."})
+    metrics: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated: accuracy, f1, pearsonr; default accuracy (pearsonr for regression)."
+        },
+    )
     train_file: str | None = field(default=None, metadata={"help": "Training data: .json/.jsonl or .csv."})
     validation_file: str | None = field(default=None, metadata={"help": "Validation data, same format."})
     dataset_name: str | None = field(
@@ -104,6 +115,13 @@ class FinetuneArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config."})
     validation_split_name: str = field(
         default="validation", metadata={"help": "The Hub dataset's eval split."}
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new classification head when the checkpoint's has another number of labels "
+            "(as transformers' run_glue.py)."
+        },
     )
     keep_freed_memory: bool = field(**KEEP_FREED_MEMORY_FIELD)
 
@@ -133,17 +151,12 @@ def load_splits(args: FinetuneArguments) -> datasets.DatasetDict:
         raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         splits = {"train": "train", "validation": args.validation_split_name}
     elif args.train_file:
-        files = {"train": args.train_file}
-        builder = _check_file(args.train_file, "train_file")
-        if builder == "text":
+        if _check_file(args.train_file, "train_file") == "text":
             raise FinetuneInputError(
                 f"train_file {args.train_file!r}: use a .csv or .json file with label columns"
             )
-        if args.validation_file:
-            _check_file(args.validation_file, "validation_file")
-            files["validation"] = args.validation_file
-        raw = datasets.load_dataset(builder, data_files=files)
-        splits = {name: name for name in files}
+        raw = load_local_files({"train": args.train_file, "validation": args.validation_file})
+        splits = {name: name for name in raw}
     else:
         raise FinetuneInputError("give --train_file (a local file) or --dataset_name (a Hub dataset)")
     out = {}
@@ -167,33 +180,91 @@ def _columns(args: FinetuneArguments) -> list[str]:
     return columns
 
 
-def _check_columns(raw: datasets.DatasetDict, needed: list[str]) -> None:
+def _is_missing(value: Any) -> bool:
+    # A JSON row without the key, a null, or an empty CSV cell (None, or NaN in a numeric column).
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_column: str) -> None:
+    """Every column present, and every text there: a missing text would silently train on ""."""
     for name, split in raw.items():
-        missing = [c for c in needed if c not in split.column_names]
+        missing = [c for c in [*text_columns, label_column] if c not in split.column_names]
         if missing:
             raise FinetuneInputError(
                 f"{name} data has no column {missing[0]!r} (columns: {', '.join(split.column_names)})"
             )
+        for column in text_columns:
+            for row, value in enumerate(split[column]):
+                if _is_missing(value):
+                    raise FinetuneInputError(
+                        f"{name} data row {row}: column {column!r} has no text (missing or null)"
+                    )
+
+
+def _label_kind(value: Any) -> str | None:
+    """A label's kind: "name" (a string), "number", or None for anything else (missing, NaN, a list)."""
+    if isinstance(value, str):
+        return "name"
+    if isinstance(value, (int, float)) and not _is_missing(value):
+        return "number"
+    return None
+
+
+def _is_number_text(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def resolve_labels(
     raw: datasets.DatasetDict, args: FinetuneArguments, n_choices: int
 ) -> tuple[int, dict[Any, int] | None]:
-    """Number of labels and, for text labels, the label -> id table; every label checked before training."""
+    """Number of labels and, for text labels, the label -> id table; every label checked before training.
+
+    A label column holds names (strings, each a class) or numbers (class ids, or scores when one is not
+    a whole number: regression), the same kind in every split."""
     column = args.label_column
+    train_kinds: dict[str, tuple[int, Any]] = {}  # kind -> (first row, value) in the train data
+    for name, split in raw.items():
+        for row, value in enumerate(split[column]):
+            kind = _label_kind(value)
+            if kind is None:
+                raise FinetuneInputError(f"{name} data row {row}: label {value!r} is not a number or a name")
+            if name == "train":
+                train_kinds.setdefault(kind, (row, value))
+    if len(train_kinds) > 1:
+        (name_row, a_name), (number_row, a_number) = train_kinds["name"], train_kinds["number"]
+        raise FinetuneInputError(
+            f"train data row {max(name_row, number_row)}: the label column mixes names and numbers "
+            f"(row {name_row}: {a_name!r}, row {number_row}: {a_number!r}); use one kind"
+        )
+    (train_kind,) = train_kinds
+    if args.task == "multiple_choice" and train_kind == "name":
+        row, value = train_kinds["name"]
+        raise FinetuneInputError(
+            f"train data row {row}: label {value!r} is a name; multiple choice labels are choice numbers"
+        )
+    for name, split in raw.items():
+        values = list(split[column])
+        odd = [row for row, value in enumerate(values) if _label_kind(value) != train_kind]
+        if odd:
+            # A CSV column holding one word reads every label as text ('1' too): name the word.
+            words = [row for row in odd if not _is_number_text(values[row])]
+            row = (words or odd)[0]
+            raise FinetuneInputError(
+                f"{name} data row {row}: label {values[row]!r} is a {_label_kind(values[row])}, but the "
+                f"train data's labels are {train_kind}s"
+            )
+
+    train_labels = raw["train"][column]
     if args.task == "multiple_choice":
         num_labels, table = n_choices, None
-    elif all(isinstance(v, str) for v in raw["train"][column]):
-        names = sorted(set(raw["train"][column]))
+    elif train_kind == "name":
+        names = sorted(set(train_labels))
         num_labels, table = len(names), {name: i for i, name in enumerate(names)}
     else:
-        train_labels = raw["train"][column]
-        for name, split in raw.items():
-            for row, value in enumerate(split[column]):
-                if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
-                    raise FinetuneInputError(
-                        f"{name} data row {row}: label {value!r} is not a number or a name"
-                    )
         is_float = any(isinstance(v, float) and not float(v).is_integer() for v in train_labels)
         num_labels = args.num_labels or (1 if is_float else int(max(train_labels)) + 1)
         table = None
@@ -210,7 +281,7 @@ def resolve_labels(
                     raise FinetuneInputError(
                         f"{name} data row {row}: label {value!r} does not occur in the train data"
                     )
-            elif value is None or float(value) != int(value) or not 0 <= int(value) < num_labels:
+            elif float(value) != int(value) or not 0 <= int(value) < num_labels:
                 what = "choices" if args.task == "multiple_choice" else "num_labels"
                 raise FinetuneInputError(
                     f"{name} data row {row}: label {value!r} is outside [0, {num_labels}) ({what})"
@@ -219,30 +290,105 @@ def resolve_labels(
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: Any) -> list[int]:
-    return tokenizer(str(text if text is not None else ""), add_special_tokens=False)["input_ids"]
+    # User text never becomes a control token: a literal "_classify_" (or "<|endoftext|>") in the data is
+    # encoded as ordinary text, as OpenAI's TextEncoder / encoder.py encode it; only the recipe's
+    # transforms insert the added tokens' ids.
+    return tokenizer(str(text), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def checkpoint_config(args: FinetuneArguments) -> GPTConfig | None:
+    """The config of `--model_name_or_path` (None for a new model from `--preset`)."""
+    if (args.model_name_or_path is None) == (args.preset is None):
+        raise FinetuneInputError("give exactly one of --model_name_or_path, --preset")
+    if args.model_name_or_path is None:
+        return None
+    if not Path(args.model_name_or_path).is_dir():
+        raise FinetuneInputError(f"checkpoint folder {args.model_name_or_path!r} does not exist")
+    return GPTConfig.from_pretrained(args.model_name_or_path)
+
+
+def _has_classification_head(config: GPTConfig) -> bool:
+    # Saved by a sequence-classification class (hfgpt's, GPT2's or OpenAIGPT's: all name the head `score`).
+    return any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+
+
+def match_checkpoint_labels(
+    args: FinetuneArguments, base: GPTConfig | None, num_labels: int, label_table: dict[Any, int] | None
+) -> dict[Any, int] | None:
+    """Check the labels against a checkpoint's classification head; returns the label table to use.
+
+    A head for another number of labels cannot be loaded: refused unless `--ignore_mismatched_sizes`
+    (then the head starts anew). A head trained on the same label names keeps its ids, so each row of
+    `score.weight` goes on scoring the label it learned (as run_glue.py reuses `model.config.label2id`)."""
+    if base is None or args.task == "multiple_choice" or not _has_classification_head(base):
+        return label_table
+    if base.num_labels != num_labels:
+        if args.ignore_mismatched_sizes:
+            return label_table
+        names = ", ".join(str(base.id2label[i]) for i in sorted(base.id2label))
+        data = "1 (a regression score)" if num_labels == 1 else str(num_labels)
+        raise FinetuneInputError(
+            f"checkpoint {args.model_name_or_path!r} has a classification head for {base.num_labels} "
+            f"labels ({names}), but the data has {data}; pass --ignore_mismatched_sizes true to train a new "
+            "head"
+        )
+    by_text = {str(name): name for name in label_table or ()}
+    if label_table is not None and {str(name) for name in base.id2label.values()} == set(by_text):
+        return {by_text[str(name)]: int(i) for i, name in base.id2label.items()}
+    return label_table
 
 
 def build_model(
-    args: FinetuneArguments, tokenizer: PreTrainedTokenizerBase, num_labels: int, classify_id: int | None
+    args: FinetuneArguments,
+    tokenizer: PreTrainedTokenizerBase,
+    num_labels: int,
+    classify_id: int | None,
+    label_table: dict[Any, int] | None = None,
 ) -> GPTForSequenceClassification | GPTDoubleHeadsModel:
     model_class = GPTDoubleHeadsModel if args.task == "multiple_choice" else GPTForSequenceClassification
-    settings = dict(
+    settings: dict[str, Any] = dict(
         lm_loss_weight=args.lm_loss_weight if args.recipe == "gpt1" else 0.0,
         classify_token_id=classify_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     if args.task != "multiple_choice":
-        settings["num_labels"] = num_labels
-    if (args.model_name_or_path is None) == (args.preset is None):
-        raise FinetuneInputError("give exactly one of --model_name_or_path, --preset")
-    if args.model_name_or_path:
-        if not Path(args.model_name_or_path).is_dir():
-            raise FinetuneInputError(f"checkpoint folder {args.model_name_or_path!r} does not exist")
-        model = model_class.from_pretrained(args.model_name_or_path, **settings)
+        # Written in full every time: a checkpoint's own names (or problem type) would otherwise survive
+        # re-fine-tuning on other labels. The config's num_labels is len(id2label).
+        id2label = (
+            {i: str(name) for name, i in label_table.items()}
+            if label_table
+            else {i: f"LABEL_{i}" for i in range(num_labels)}
+        )
+        settings.update(
+            id2label=id2label,
+            label2id={name: i for i, name in id2label.items()},
+            problem_type="regression" if num_labels == 1 else "single_label_classification",
+        )
+    # GPT-1's classifier (train.py `model` / `clf`): dropout `clf_pdrop` = 0.1 on the pooled state, then
+    # `x @ w + b` with b initialised to 0; §4.1: "We add dropout to the classifier with a rate of 0.1".
+    # Defaults of the recipe: --config_overrides may change them for a new model.
+    head = (
+        {"score_bias": True, "score_dropout": 0.1}
+        if args.recipe == "gpt1" and args.task != "multiple_choice"
+        else {}
+    )
+    base = checkpoint_config(args)
+    if base is not None:
+        model = model_class.from_pretrained(
+            args.model_name_or_path,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            **head,
+            **settings,
+        )
     else:
         if args.preset not in PRESETS:
             raise FinetuneInputError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-        overrides = {**_parse_overrides(args.config_overrides), **settings, "vocab_size": len(tokenizer)}
+        overrides = {
+            **head,
+            **_parse_overrides(args.config_overrides),
+            **settings,
+            "vocab_size": len(tokenizer),
+        }
         try:
             config = GPTConfig.from_preset(args.preset, **overrides)
         except (ValueError, TypeError, StrictDataclassError) as err:
@@ -252,6 +398,28 @@ def build_model(
         model = model_class(config)
     # The recipe's added tokens get fresh N(0, 0.02) rows, as train.py draws them.
     return resize_embeddings_to_tokenizer(model, tokenizer)
+
+
+def check_label_smoothing(args: FinetuneArguments, training_args: TrainingArguments, num_labels: int) -> None:
+    """Trainer's `label_smoothing_factor` is right only for plain classification: it pops `labels`, calls
+    the model without them and smooths the cross-entropy of `logits` alone. That drops the gpt1 recipe's
+    auxiliary LM loss (L3 = L2 + lambda * L1 would become a smoothed L2), means nothing for one regression
+    score, and never reaches the multiple-choice loss, whose labels are `mc_labels`."""
+    factor = training_args.label_smoothing_factor
+    if not factor:
+        return
+    if args.task == "multiple_choice":
+        reason = "Trainer smooths only a `labels` column, so the multiple-choice loss would stay unsmoothed"
+    elif num_labels == 1:
+        reason = "a regression score has no classes to smooth"
+    elif args.recipe == "gpt1" and args.lm_loss_weight > 0:
+        reason = (
+            f"Trainer would compute the loss from the class logits alone and drop the auxiliary LM loss "
+            f"(lambda {args.lm_loss_weight}); add --lm_loss_weight 0 to smooth plain L2"
+        )
+    else:
+        return
+    raise FinetuneInputError(f"--label_smoothing_factor {factor} cannot be used here: {reason}")
 
 
 def finetune(
@@ -269,12 +437,18 @@ def finetune(
 
     columns = _columns(args)
     raw = load_splits(args)
-    _check_columns(raw, [*columns, args.label_column])
+    _check_columns(raw, columns, args.label_column)
     num_labels, label_table = resolve_labels(raw, args, n_choices=len(columns) - 1)
+    regression = num_labels == 1
+    check_label_smoothing(args, training_args, num_labels)
+    metric_names = [m.strip() for m in (args.metrics or "").split(",") if m.strip()]
+    metric_names = metric_names or (["pearsonr"] if regression else ["accuracy"])
+    compute_metrics = compute_metrics_fn(metric_names, regression=regression, num_labels=num_labels)
+    label_table = match_checkpoint_labels(args, checkpoint_config(args), num_labels, label_table)
 
     tokenizer = load_tokenizer(args.tokenizer_name or args.model_name_or_path or "gpt2")
     tokens = add_finetune_tokens(tokenizer) if args.recipe == "gpt1" else None
-    model = build_model(args, tokenizer, num_labels, tokens.classify if tokens else None)
+    model = build_model(args, tokenizer, num_labels, tokens.classify if tokens else None, label_table)
     n_ctx = model.config.n_positions
     label_key = "mc_labels" if args.task == "multiple_choice" else "labels"
 
@@ -285,11 +459,10 @@ def finetune(
         else:
             # Plain GPT-2: the texts joined by EOS, pooled at the last token.
             sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            ids = texts[0] + [t for text in texts[1:] for t in sep + text]
-            ids = ids[:n_ctx] if args.truncate else ids
+            ids = transform_plain(texts, sep, n_ctx, truncate=args.truncate)
         check_length(ids, n_ctx, f"row {index}")
         label = row[args.label_column]
-        label = label_table[label] if label_table else (float(label) if num_labels == 1 else int(label))
+        label = label_table[label] if label_table else (float(label) if regression else int(label))
         return {"input_ids": ids, label_key: label}
 
     encoded = datasets.DatasetDict(
@@ -300,11 +473,6 @@ def finetune(
             for name, split in raw.items()
         }
     )
-    if label_table:
-        model.config.id2label = {i: str(name) for name, i in label_table.items()}
-        model.config.label2id = {str(name): i for name, i in label_table.items()}
-
-    metric_names = [m.strip() for m in args.metrics.split(",") if m.strip()]
     training_args.label_names = [label_key]
     has_eval = "validation" in encoded
     if not has_eval:
@@ -316,7 +484,7 @@ def finetune(
         eval_dataset=encoded.get("validation"),
         data_collator=TaskCollator(pad_token_id=model.config.pad_token_id or 0),
         processing_class=tokenizer,
-        compute_metrics=compute_metrics_fn(metric_names, regression=num_labels == 1, num_labels=num_labels),
+        compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=pick_classification_logits,
         callbacks=callbacks,
     )
@@ -352,11 +520,26 @@ def make_parser() -> HfArgumentParser:
     return parser
 
 
+def evaluation_requested(argv: list[str] | None) -> bool:
+    """Whether the command line itself asks for evaluation (`--do_eval`, or an `--eval_strategy` other
+    than "no"), not just the default per-epoch evaluation, which applies only where there is data for it."""
+    probe = make_parser()
+    probe.set_defaults(do_eval=False, eval_strategy=None)
+    namespace, _ = probe.parse_known_args(argv)
+    strategy = getattr(namespace.eval_strategy, "value", namespace.eval_strategy)
+    return bool(namespace.do_eval) or strategy not in (None, "no")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, training_args = make_parser().parse_args_into_dataclasses(args=argv)
     transformers.utils.logging.set_verbosity_warning()
     keep_freed_memory_on_cpu(args.keep_freed_memory, training_args)
     try:
+        if not (args.validation_file or args.dataset_name) and evaluation_requested(argv):
+            raise FinetuneInputError(
+                "--do_eval / --eval_strategy ask for evaluation, but there is no validation data; "
+                "give --validation_file"
+            )
         metrics = finetune(args, training_args)
     except TrainingInputError as err:  # FinetuneInputError included
         print(f"error: {err}", file=sys.stderr)

@@ -10,6 +10,9 @@ length, and the validation loss is reported with its perplexity. The output fold
 checkpoint: weights, config, generation config, tokenizer, model card (README.md) and the metrics.
 
 Data-parallel: `accelerate launch --multi_gpu --num_processes N -m hfgpt.scripts.train_lm ...` (see the README).
+
+Exit status: 0 after training; 2 for bad input, before training starts: a usage error from the argument
+parser, or a data / model problem printed as one `error: ...` line naming the file, column or value at fault.
 """
 
 import ast
@@ -205,37 +208,71 @@ def _check_file(path: str, what: str) -> str:
     return FILE_BUILDERS[p.suffix.lower()]
 
 
+def load_local_files(files: dict[str, str | None]) -> datasets.DatasetDict:
+    """Local data files by split (`{"train": path, "validation": path or None}`), each checked, then loaded
+    on its own: one `load_dataset` call over both would make the validation file follow the train file's
+    schema and fail inside `datasets` on a column or a type the two do not share."""
+    paths = {split: path for split, path in files.items() if path is not None}
+    builders = {split: _check_file(path, f"{split}_file") for split, path in paths.items()}
+    if len(set(builders.values())) > 1:
+        described = " but ".join(f"{split}_file {paths[split]!r} is {b}" for split, b in builders.items())
+        raise TrainingInputError(f"{described}; give every data file in the same format")
+    out = {}
+    for split, builder in builders.items():
+        try:
+            out[split] = datasets.load_dataset(builder, data_files={split: paths[split]}, split=split)
+        except datasets.exceptions.DatasetGenerationError as err:
+            cause = str(err.__cause__ or err).strip().splitlines()[-1]
+            raise TrainingInputError(
+                f"{split}_file {paths[split]!r} could not be read as {builder}: {cause}"
+            ) from err
+    return datasets.DatasetDict(out)
+
+
+def _check_text_column(split: datasets.Dataset, name: str, column: str) -> None:
+    if column not in split.column_names:
+        raise TrainingInputError(
+            f"{name} data has no column {column!r} (columns: "
+            f"{', '.join(split.column_names)}); choose one with --text_column"
+        )
+    feature = split.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else f"{type(feature).__name__} (mixed)"
+        raise TrainingInputError(
+            f"{name} data column {column!r} holds {kind} values, not text; "
+            "choose a text column with --text_column"
+        )
+
+
 def load_raw_splits(data_args: DataArguments, seed: int) -> datasets.DatasetDict:
     """The train and validation splits as `datasets`, checked for the text column."""
     if data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
     elif data_args.train_file:
-        files = {"train": data_args.train_file}
-        builder = _check_file(data_args.train_file, "train_file")
-        if data_args.validation_file:
-            if _check_file(data_args.validation_file, "validation_file") != builder:
-                raise TrainingInputError("train_file and validation_file must have the same format")
-            files["validation"] = data_args.validation_file
-        raw = datasets.load_dataset(builder, data_files=files)
+        raw = load_local_files({"train": data_args.train_file, "validation": data_args.validation_file})
     else:
         raise TrainingInputError("give --train_file (a local file) or --dataset_name (a Hub dataset)")
     if "train" not in raw:
         raise TrainingInputError(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
+    if raw["train"].num_rows == 0:
+        raise TrainingInputError("the train data has no rows")
     if "validation" not in raw:
-        if not 0 < data_args.validation_split_percentage < 100:
+        percentage = data_args.validation_split_percentage
+        if not 0 < percentage < 100:
             raise TrainingInputError(
                 "--validation_split_percentage must be in (0, 100) without a validation split"
             )
-        split = raw["train"].train_test_split(
-            test_size=data_args.validation_split_percentage / 100, seed=seed
-        )
+        n_rows = raw["train"].num_rows
+        # train_test_split holds out ceil(share * rows) and needs at least one row left to train on.
+        if n_rows - math.ceil(percentage / 100 * n_rows) < 1:
+            raise TrainingInputError(
+                f"the train data has {n_rows} row(s), too few to hold out {percentage}% for validation and "
+                "keep a row to train on; give --validation_file or more rows"
+            )
+        split = raw["train"].train_test_split(test_size=percentage / 100, seed=seed)
         raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
     for name in ("train", "validation"):
-        if data_args.text_column not in raw[name].column_names:
-            raise TrainingInputError(
-                f"{name} data has no column {data_args.text_column!r} (columns: "
-                f"{', '.join(raw[name].column_names)}); choose one with --text_column"
-            )
+        _check_text_column(raw[name], name, data_args.text_column)
         if raw[name].num_rows == 0:
             raise TrainingInputError(f"the {name} data has no rows")
     return datasets.DatasetDict(train=raw["train"], validation=raw["validation"])

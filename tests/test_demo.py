@@ -2,6 +2,7 @@
 Auto classes, generate, pictures) runs and its outputs are real. The full run's >= 0.99 accuracy is
 checked by hand (see the README), not here: it takes minutes."""
 
+import random
 import struct
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hfgpt.scripts.demo import (
     build_char_tokenizer,
     encode_example,
     main,
+    make_sequences,
     run_demo,
 )
 
@@ -73,7 +75,32 @@ def test_run_demo_learns_and_reports(tmp_path):
 
 
 def test_settings_too_small_are_refused(tmp_path, capsys):
-    with pytest.raises(DemoError, match="settings too small"):
+    with pytest.raises(DemoError, match="steps 0: train at least 1 step"):
         run_demo(tmp_path, DemoSettings(steps=0))
+    with pytest.raises(DemoError, match="n_test 0: the accuracy needs at least 1 held-out sequence"):
+        run_demo(tmp_path, DemoSettings(n_test=0))
     assert main(["--output-dir", str(tmp_path), "--length", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_more_sequences_than_the_length_allows_are_refused(tmp_path, capsys):
+    # 10**4 = 10000 strings of 4 digits, fewer than the default 20000 + 500: make_sequences drew forever.
+    assert main(["--output-dir", str(tmp_path / "out"), "--length", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: n_train + n_test = 20500 distinct sequences, but only 10000 of length 4")
+    assert not (tmp_path / "out").exists()
+    # 100 strings of 2 digits, 10 excluded: 90 can be drawn, 91 cannot.
+    excluded = {f"{i:02d}" for i in range(10)}
+    drawn = make_sequences(90, 2, random.Random(0), exclude=excluded)
+    assert len(set(drawn)) == 90 and not set(drawn) & excluded
+    with pytest.raises(DemoError, match=r"91 distinct sequences of 2 digits asked for, but only 90 are left"):
+        make_sequences(91, 2, random.Random(0), exclude=excluded)
+
+
+@pytest.mark.parametrize("flag", ["--n-test", "--threads", "--steps", "--n-train"])
+def test_counts_below_one_are_usage_errors(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
+        main(["--output-dir", str(tmp_path / "out"), flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"error: argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

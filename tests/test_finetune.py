@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from scipy.stats import pearsonr
+from sklearn.metrics import accuracy_score, f1_score
 from transformers import AutoModelForSequenceClassification
 
 from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel, GPTForSequenceClassification
@@ -25,10 +28,20 @@ from hfgpt.modeling.finetune import (
     add_finetune_tokens,
     compute_metrics_fn,
     load_metric,
+    longest_first,
     transform_example,
+    transform_plain,
 )
+from hfgpt.scripts import finetune_classification
 from hfgpt.scripts.demo import build_char_tokenizer
-from hfgpt.scripts.finetune_classification import FinetuneArguments, finetune, main, make_parser
+from hfgpt.scripts.finetune_classification import (
+    FinetuneArguments,
+    evaluation_requested,
+    finetune,
+    main,
+    make_parser,
+    match_checkpoint_labels,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,6 +79,29 @@ def test_pair_truncation_follows_train_py_max_len():
     single = transform_example("classification", [list(range(40))], TOKENS, n_ctx=16)
     assert single == [100, *range(14), 102]
     assert len(transform_example("entailment", [list(range(10))] * 2, TOKENS, 16, truncate=False)) == 23
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "budget"),
+    [(40, 3, 31), (3, 40, 31), (10, 10, 15), (10, 11, 15), (11, 10, 15), (5, 5, 3), (4, 4, 8), (20, 9, 1)],
+)
+def test_longest_first_matches_the_fast_tokenizers_pair_truncation(first, second, budget):
+    # Reference: the `tokenizers` library cutting a text pair to `budget` (truncation="longest_first");
+    # one token per character, so the kept a's and b's are the kept lengths.
+    tokenizer = build_char_tokenizer("ab")
+    ids = tokenizer(
+        "a" * first, "b" * second, truncation="longest_first", max_length=budget, add_special_tokens=False
+    )["input_ids"]
+    kept = tokenizer.convert_ids_to_tokens(ids)
+    assert longest_first((first, second), budget) == (kept.count("a"), kept.count("b"))
+
+
+def test_plain_transform_keeps_the_hypothesis_of_a_long_premise():
+    # n_ctx 32, one EOS (9) between: 31 tokens for the texts; the 3-token hypothesis stays whole.
+    out = transform_plain([list(range(100, 140)), [1, 2, 3]], [9], n_ctx=32)
+    assert out == [*range(100, 128), 9, 1, 2, 3]
+    assert transform_plain([list(range(40))], [9], n_ctx=32) == list(range(32))
+    assert len(transform_plain([list(range(40)), [1, 2, 3]], [9], n_ctx=32, truncate=False)) == 44
 
 
 def test_add_finetune_tokens_appends_three_special_tokens_once():
@@ -207,6 +243,42 @@ def test_local_metrics_match_hand_values(monkeypatch):
     assert metric.compute() == {"accuracy": pytest.approx(2 / 3)}
 
 
+@pytest.mark.parametrize("metric", [Accuracy, F1], ids=["accuracy", "f1"])
+def test_class_metrics_refuse_scores_as_sklearn_does(metric, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    scores, references = [0.9, 1.2], [0.1, 1.9]
+    sklearn_metric = accuracy_score if metric is Accuracy else f1_score
+    with pytest.raises(ValueError, match="continuous"):  # the reference refuses them
+        sklearn_metric(references, scores)
+    with pytest.raises(ValueError, match=r"predictions hold 0\.9, not a class id"):
+        metric().compute(predictions=scores, references=[0, 1])
+    with pytest.raises(ValueError, match=r"references hold 0\.1, not a class id"):
+        metric().compute(predictions=[0, 1], references=references)
+    with pytest.raises(ValueError, match="not a class id"):
+        metric().add(prediction=0.5, reference=1)
+    # Whole-number floats are classes to scikit-learn too.
+    name = "accuracy" if metric is Accuracy else "f1"
+    assert metric().compute(predictions=[1.0, 0.0, 1.0], references=[1, 1, 1])[name] == pytest.approx(
+        sklearn_metric([1, 1, 1], [1, 0, 1])
+    )
+
+
+def test_pearsonr_of_a_constant_input_is_nan_as_scipy(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    x, y = [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]
+    with pytest.warns(Warning):  # scipy's ConstantInputWarning
+        reference = pearsonr(x, y)[0]
+    assert math.isnan(reference)
+    assert math.isnan(PearsonR().compute(predictions=x, references=y)["pearsonr"])
+
+
+def test_regression_refuses_class_metrics():
+    with pytest.raises(FinetuneInputError, match="metric 'accuracy' compares classes"):
+        compute_metrics_fn(["accuracy"], regression=True, num_labels=1)
+    with pytest.raises(FinetuneInputError, match="metric 'f1' compares classes"):
+        compute_metrics_fn(["pearsonr", "f1"], regression=True, num_labels=1)
+
+
 def test_unknown_metric_offline_is_a_clean_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FinetuneInputError, match="metric 'no_such_metric' is not one of the offline metrics"):
@@ -286,6 +358,9 @@ def test_finetune_entailment_reports_metrics_and_saves_a_loadable_checkpoint(tmp
     assert isinstance(model, GPTForSequenceClassification)
     assert model.config.lm_loss_weight == 0.5 and model.config.num_labels == 2
     assert model.config.classify_token_id == len(build_char_tokenizer("abc ")) + 2  # _classify_ appended
+    # train.py's classifier: dropout clf_pdrop = 0.1 on the pooled state, then `x @ w + b`.
+    assert model.config.score_bias and model.config.score_dropout == 0.1
+    assert load_file(out / "model.safetensors")["score.bias"].shape == (2,)
 
 
 def test_finetune_multiple_choice_uses_double_heads(tmp_path, tokenizer_dir):
@@ -314,14 +389,223 @@ def test_plain_recipe_regression_reports_pearson(tmp_path, tokenizer_dir):
     path.write_text(
         "\n".join(json.dumps({"text": "a" * (n := rng.randrange(1, 8)), "score": n / 3}) for _ in range(16))
     )
+    # No --metrics: regression defaults to pearsonr (accuracy would compare scores cast to classes).
     args, training_args = _run(
-        tmp_path, tokenizer_dir, "--recipe", "plain", "--label_column", "score", "--metrics", "pearsonr",
+        tmp_path, tokenizer_dir, "--recipe", "plain", "--label_column", "score",
         "--train_file", str(path), "--validation_file", str(path),
     )  # fmt: skip
     metrics = finetune(args, training_args)
-    assert -1.0 <= metrics["eval_pearsonr"] <= 1.0
+    assert -1.0 <= metrics["eval_pearsonr"] <= 1.0 and "eval_accuracy" not in metrics
     model = GPTForSequenceClassification.from_pretrained(tmp_path / "out")
     assert model.config.num_labels == 1 and model.config.lm_loss_weight == 0.0
+    assert model.config.problem_type == "regression"
+    # GPT-2 style: transformers' GPT2ForSequenceClassification head, no bias and no dropout.
+    assert not model.config.score_bias and model.config.score_dropout == 0.0
+
+
+def _spy_on_trainer(monkeypatch) -> dict:
+    """Records the Trainer hfgpt-finetune builds and its model's weights before training."""
+    seen: dict = {}
+    real = finetune_classification.Trainer
+
+    def spy(**kwargs):
+        trainer = real(**kwargs)
+        seen["trainer"] = trainer
+        seen["initial"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        return trainer
+
+    monkeypatch.setattr(finetune_classification, "Trainer", spy)
+    return seen
+
+
+NO_DROPOUT = TINY + ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,score_dropout=0"
+
+
+def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, tokenizer_dir, monkeypatch):
+    """Batch 8 in one step and 4 x 2 accumulated steps see the same 8 rows, so plain SGD must make the same
+    update: Trainer divides each micro-batch's mean loss by the steps unless the model claims to handle
+    num_items_in_batch (GPTForSequenceClassification's **kwargs did: 4 x 2 took twice the step)."""
+    data = _write_pairs(tmp_path / "train.csv", 8)
+    seen = _spy_on_trainer(monkeypatch)
+    updates = {}
+    for batch, steps in ((8, 1), (4, 2)):
+        out = tmp_path / f"bs{batch}"
+        args, training_args = _run(
+            tmp_path, tokenizer_dir, "--task", "entailment", "--text_columns", "premise,hypothesis",
+            "--train_file", str(data), "--max_steps", "1", "--per_device_train_batch_size", str(batch),
+            "--gradient_accumulation_steps", str(steps), "--optim", "sgd", "--learning_rate", "1.0",
+            "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--weight_decay", "0",
+            "--max_grad_norm", "0", "--output_dir", str(out), "--config_overrides", NO_DROPOUT,
+        )  # fmt: skip
+        finetune(args, training_args)
+        after = load_file(out / "model.safetensors")
+        updates[batch] = {k: after[k] - seen["initial"][k] for k in after}
+    assert updates[8]["score.weight"].abs().max() > 1e-4  # a real step was taken
+    for key in updates[8]:
+        torch.testing.assert_close(updates[4][key], updates[8][key], atol=1e-6, rtol=1e-4, msg=key)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _encoded_inputs(monkeypatch, argv: list[str]) -> dict:
+    """The datasets hfgpt-finetune hands to Trainer (Trainer replaced by a stub that stops there)."""
+    captured = {}
+
+    def stop(**kwargs):
+        captured.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(finetune_classification, "Trainer", stop)
+    with pytest.raises(_Captured):
+        finetune(*make_parser().parse_args_into_dataclasses(args=argv))
+    return captured
+
+
+def test_plain_recipe_keeps_the_hypothesis_of_a_long_premise(tmp_path, tokenizer_dir, monkeypatch):
+    data = tmp_path / "long.csv"
+    data.write_text("premise,hypothesis,label\n" + "a" * 40 + ",bcb,1\nab,ab,0\n")
+    argv = [
+        "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", tokenizer_dir,
+        "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--recipe", "plain",
+        "--task", "entailment", "--text_columns", "premise,hypothesis", "--train_file", str(data),
+    ]  # fmt: skip
+    captured = _encoded_inputs(monkeypatch, argv)
+    tokenizer = captured["processing_class"]
+    # 32 positions: 28 premise tokens, EOS, the whole 3-token hypothesis.
+    row = captured["train_dataset"][0]["input_ids"]
+    assert tokenizer.decode(row) == "a" * 28 + "</s>" + "bcb"
+
+
+@pytest.mark.parametrize("tokenizer_name", ["gpt2", "openai-gpt"])
+def test_control_token_text_in_the_data_stays_text(tmp_path, monkeypatch, tokenizer_name):
+    """OpenAI's TextEncoder maps text through its BPE vocabulary only, so "_classify_" written in the data
+    never becomes the id of the added `_classify_` token: only the recipe's transform places them."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"text": "see my_classify_ function and _start_ here", "label": 1}, {"text": "ok", "label": 0}]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    argv = [
+        "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", tokenizer_name,
+        "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--train_file", str(data),
+    ]  # fmt: skip
+    captured = _encoded_inputs(monkeypatch, argv)
+    tokenizer = captured["processing_class"]
+    start, delimiter, classify = tokenizer.convert_tokens_to_ids(["_start_", "_delimiter_", "_classify_"])
+    row = captured["train_dataset"][0]["input_ids"]
+    assert row[0] == start and row[-1] == classify
+    assert not {start, delimiter, classify} & set(row[1:-1])
+    assert "classify" in tokenizer.decode(row[1:-1])
+
+
+def test_refinetuning_a_checkpoint_with_other_labels(tmp_path, tokenizer_dir):
+    names = _write_pairs(tmp_path / "names.csv", 16, label=lambda a, b: "same" if a == b else "diff")
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--task", "entailment", "--text_columns", "premise,hypothesis",
+        "--train_file", str(names), "--max_steps", "1", "--output_dir", str(tmp_path / "first"),
+    )  # fmt: skip
+    finetune(args, training_args)
+    reuse = ["--model_name_or_path", str(tmp_path / "first"), "--max_steps", "1", "--use_cpu", "true"]
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("\n".join(json.dumps({"text": "ab" * i, "score": i / 3}) for i in range(1, 9)))
+
+    # Two-label head -> one regression score: refused with the way out, then done with it.
+    regression = [*reuse, "--train_file", str(scores), "--label_column", "score", "--save_strategy", "no"]
+    args, training_args = make_parser().parse_args_into_dataclasses(
+        args=[*regression, "--output_dir", str(tmp_path / "reg")]
+    )
+    with pytest.raises(
+        FinetuneInputError, match=r"head for 2 labels \(diff, same\).*--ignore_mismatched_sizes"
+    ):
+        finetune(args, training_args)
+    args, training_args = make_parser().parse_args_into_dataclasses(
+        args=[*regression, "--output_dir", str(tmp_path / "reg"), "--ignore_mismatched_sizes", "true"]
+    )
+    finetune(args, training_args)
+    model = GPTForSequenceClassification.from_pretrained(tmp_path / "reg")
+    assert model.config.num_labels == 1 and model.config.problem_type == "regression"
+
+    # Same number of labels, but numbers: the old names must not survive.
+    numbers = _write_pairs(tmp_path / "numbers.csv", 16)
+    args, training_args = make_parser().parse_args_into_dataclasses(
+        args=[*reuse, "--task", "entailment", "--text_columns", "premise,hypothesis", "--train_file",
+              str(numbers), "--output_dir", str(tmp_path / "ints"), "--save_strategy", "no"]
+    )  # fmt: skip
+    finetune(args, training_args)
+    config = GPTForSequenceClassification.from_pretrained(tmp_path / "ints").config
+    assert config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+
+
+def test_a_checkpoint_keeps_the_ids_of_its_label_names():
+    # run_glue.py: when the data's label names are the head's, the head's label2id is used as it is.
+    base = GPTConfig(
+        architectures=["GPTForSequenceClassification"], id2label={0: "same", 1: "diff"}, num_labels=2
+    )
+    args = FinetuneArguments(model_name_or_path="ckpt", task="entailment")
+    assert match_checkpoint_labels(args, base, 2, {"diff": 0, "same": 1}) == {"same": 0, "diff": 1}
+    assert match_checkpoint_labels(args, base, 2, {"no": 0, "yes": 1}) == {"no": 0, "yes": 1}
+    assert match_checkpoint_labels(args, GPTConfig(architectures=["GPTForCausalLM"]), 3, None) is None
+
+
+def test_evaluation_asked_for_without_validation_data_is_an_error(tmp_path, tokenizer_dir, capsys):
+    assert not evaluation_requested(["--output_dir", "x"])  # the default per-epoch evaluation
+    assert not evaluation_requested(["--output_dir", "x", "--eval_strategy", "no"])
+    data = _write_pairs(tmp_path / "train.csv", 8)
+    for flags in (["--do_eval"], ["--eval_strategy", "steps"]):
+        argv = [
+            "--preset", "gpt2", "--config_overrides", TINY, "--tokenizer_name", tokenizer_dir,
+            "--task", "entailment", "--text_columns", "premise,hypothesis", "--train_file", str(data),
+            "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", *flags,
+        ]  # fmt: skip
+        assert evaluation_requested(argv)
+        assert main(argv) == 2
+        assert "there is no validation data" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], r"drop the auxiliary LM loss \(lambda 0.5\)"),
+        (["--task", "multiple_choice", "--text_columns", "premise,hypothesis,other"], "the multiple-choice"),
+        (["--label_column", "score"], "a regression score has no classes"),
+    ],
+    ids=["gpt1-recipe", "multiple-choice", "regression"],
+)
+def test_label_smoothing_is_refused_where_trainer_would_get_the_loss_wrong(
+    tmp_path, tokenizer_dir, extra, message
+):
+    data = tmp_path / "train.jsonl"
+    row = {"premise": "ab", "hypothesis": "ba", "other": "c"}
+    data.write_text("\n".join(json.dumps({**row, "label": i % 2, "score": i / 3}) for i in range(8)))
+    base = ["--task", "entailment", "--text_columns", "premise,hypothesis", "--train_file", str(data)]
+    args, training_args = _run(tmp_path, tokenizer_dir, *base, *extra, "--label_smoothing_factor", "0.1")
+    with pytest.raises(
+        FinetuneInputError, match=r"--label_smoothing_factor 0.1 cannot be used here: .*" + message
+    ):
+        finetune(args, training_args)
+
+
+def test_label_smoothing_of_plain_classification_is_smoothed_cross_entropy(
+    tmp_path, tokenizer_dir, monkeypatch
+):
+    """Without the auxiliary loss, Trainer's label smoother is the whole loss, and allowed: the loss of
+    one step on all 8 rows equals F.cross_entropy(label_smoothing=0.1) of the initial model's logits."""
+    data = _write_pairs(tmp_path / "train.csv", 8)
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--task", "entailment", "--text_columns", "premise,hypothesis",
+        "--train_file", str(data), "--lm_loss_weight", "0", "--label_smoothing_factor", "0.1",
+        "--max_steps", "1", "--config_overrides", NO_DROPOUT,
+    )  # fmt: skip
+    seen = _spy_on_trainer(monkeypatch)
+    metrics = finetune(args, training_args)
+    trainer = seen["trainer"]
+    trainer.model.load_state_dict(seen["initial"])
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = F.cross_entropy(logits, batch["labels"], label_smoothing=0.1)
+    assert metrics["train_loss"] == pytest.approx(expected.item(), rel=1e-4)
 
 
 # --- bad input: a clear message before training ------------------------------------------------------
@@ -336,6 +620,20 @@ def test_plain_recipe_regression_reports_pearson(tmp_path, tokenizer_dir):
         ("label", r"train data row \d+: label 7 is outside \[0, 2\) \(num_labels\)"),
         ("no-label", r"train data row 1: label None is not a number or a name"),
         ("too-long", r"row \d+: the transformed input has \d+ tokens, more than the model's context of 32"),
+        ("mixed-formats", r"train_file '.*train\.csv' is csv but validation_file '.*dev\.jsonl' is json"),
+        (
+            "validation-names",
+            r"validation data row 1: label 'diff' is a name, but the train data's labels are numbers",
+        ),
+        ("missing-text", r"train data row 1: column 'hypothesis' has no text \(missing or null\)"),
+        (
+            "mixed-labels",
+            r"train data row 1: the label column mixes names and numbers \(row 0: 'same', row 1: 1\)",
+        ),
+        (
+            "regression-accuracy",
+            r"metric 'accuracy' compares classes, but a regression model predicts scores",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_training(tmp_path, tokenizer_dir, case, message, capsys):
@@ -353,6 +651,24 @@ def test_bad_input_is_refused_before_training(tmp_path, tokenizer_dir, case, mes
     elif case == "label":
         _write_pairs(data, 8, label=lambda a, b: 7 if a == b else 0)
         extra = ["--num_labels", "2"]
+    elif case in ("mixed-formats", "validation-names"):
+        _write_pairs(data, 8)
+        dev = tmp_path / ("dev.jsonl" if case == "mixed-formats" else "dev.csv")
+        if case == "mixed-formats":
+            dev.write_text(json.dumps({"premise": "ab", "hypothesis": "ab", "label": 1}))
+        else:  # loaded as one dataset with the train file, it failed inside datasets on the column type
+            dev.write_text("premise,hypothesis,label\nab,ab,1\nab,cb,diff\n")
+        extra = ["--validation_file", str(dev)]
+    elif case in ("missing-text", "mixed-labels", "regression-accuracy"):
+        data = tmp_path / "train.jsonl"
+        first = {"premise": "ab", "hypothesis": "ab"}
+        rows = {
+            "missing-text": [{**first, "label": "same"}, {"premise": "ab", "label": "diff"}],
+            "mixed-labels": [{**first, "label": "same"}, {**first, "label": 1}],
+            "regression-accuracy": [{**first, "label": 0.5}, {**first, "label": 2.25}],
+        }[case]
+        data.write_text("\n".join(json.dumps(row) for row in rows))
+        extra = ["--metrics", "accuracy"] if case == "regression-accuracy" else []
     else:
         data.write_text("premise,hypothesis,label\n" + "a" * 30 + ",bbb,1\nab,ab,0\n")
         extra = ["--truncate", "false"]

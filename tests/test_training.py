@@ -232,6 +232,10 @@ def test_accelerate_launch_two_processes(tmp_path, corpus):
         ("small-validation", r"the validation data has 6 tokens, fewer than one block of 32"),
         ("preset", r"unknown preset 'gpt5'"),
         ("config", r"invalid model config: .*n_embd \(32\) must be divisible by GPTConfig.n_head \(3\)"),
+        ("one-row", r"the train data has 1 row\(s\), too few to hold out 5% for validation"),
+        ("number-column", r"train data column 'id' holds int64 values, not text; choose a text column"),
+        ("mixed-formats", r"train_file '.*train\.txt' is text but validation_file '.*train\.jsonl' is json"),
+        ("malformed", r"train_file '.*bad\.jsonl' could not be read as json: .*row 1"),
     ],
 )
 def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, capsys):
@@ -252,6 +256,17 @@ def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, c
         argv[data] = str(tmp_path / "short.txt")
     elif case == "config":
         argv[argv.index(TINY)] = TINY.replace("n_head=2", "n_head=3")
+    elif case == "one-row":  # datasets' train_test_split would leave no training row
+        (tmp_path / "one.txt").write_text("the cat sat on the mat\n")
+        argv[data] = str(tmp_path / "one.txt")
+    elif case == "number-column":
+        argv[data] = corpus["jsonl"]
+        argv += ["--text_column", "id"]
+    elif case == "mixed-formats":
+        argv += ["--validation_file", corpus["jsonl"]]
+    elif case == "malformed":
+        (tmp_path / "bad.jsonl").write_text('{"text": "a cat"}\n{"text": oops\n')
+        argv[data] = str(tmp_path / "bad.jsonl")
     else:
         argv[argv.index("gpt2")] = "gpt5"
     with pytest.raises(TrainingInputError, match=message):
@@ -259,6 +274,18 @@ def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, c
     assert not (tmp_path / "out" / "model.safetensors").exists()
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_validation_file_is_read_with_its_own_column_types(tmp_path):
+    """The validation file is loaded on its own: read together with the train file, its `id` column (text
+    here, numbers there) made `datasets` fail casting it to the train file's int64."""
+    (tmp_path / "train.csv").write_text("id,body\n" + "".join(f"{i},a cat sat\n" for i in range(10)))
+    (tmp_path / "dev.csv").write_text("id,body\nx1,a dog ran\n")
+    data_args = DataArguments(
+        train_file=str(tmp_path / "train.csv"), validation_file=str(tmp_path / "dev.csv"), text_column="body"
+    )
+    raw = load_raw_splits(data_args, seed=0)
+    assert raw["validation"]["body"] == ["a dog ran"] and raw["train"].num_rows == 10
 
 
 def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypatch):
