@@ -693,11 +693,13 @@ class GPTSequenceClassifierOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    classification_loss: torch.Tensor | None = None
-    lm_loss: torch.Tensor | None = None
     past_key_values: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    # Last, so that return_dict=False tuples hold transformers' SequenceClassifierOutputWithPast fields
+    # where GPT-2 code indexes them.
+    classification_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):
@@ -811,12 +813,14 @@ class GPTDoubleHeadsModelOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     mc_loss: torch.Tensor | None = None
-    lm_loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     mc_logits: torch.Tensor | None = None
     past_key_values: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    # Last, so that return_dict=False tuples hold transformers' GPT2DoubleHeadsModelOutput fields where
+    # GPT-2 code indexes them.
+    lm_loss: torch.Tensor | None = None
 
 
 class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -159,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hfgpt.scripts.push_to_hub import PushError  # no torch, no network: cheap
 
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # Only the main thread may set a handler (main() can be called from others, e.g. a worker thread).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if in_main_thread else None
+
+    def holds_a_model() -> bool:
+        return args.output_dir is not None and (args.output_dir / "config.json").is_file()
+
+    had_a_model = holds_a_model()  # then the conversion refuses the folder (exit 5)
     try:
         if args.inspect:
             print(format_inspection(args.source_dir, n_head=args.n_head))
@@ -191,10 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
+        if holds_a_model() and not had_a_model:  # the conversion finished: the push was interrupted
+            print(f"interrupted while pushing: {args.output_dir} is converted and complete", file=sys.stderr)
+        else:
+            print("interrupted: nothing was written", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out}")
     return 0
 

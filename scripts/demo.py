@@ -84,6 +84,9 @@ class LossInProgressBar(ProgressCallback):
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4g}")
 
 
+MAX_LENGTH = 64  # digits per sequence; see check_settings
+
+
 def make_sequences(n: int, length: int, rng: random.Random, exclude: set[str] | None = None) -> list[str]:
     """`n` distinct digit strings, none in `exclude` (so the held-out set is truly unseen)."""
     seen = set(exclude or ())
@@ -172,6 +175,11 @@ def check_settings(s: DemoSettings) -> None:
     """Refuse settings the demo cannot run with, naming the one at fault."""
     if s.length < 2:
         raise DemoError(f"length {s.length}: a sequence needs at least 2 digits to sort")
+    if s.length > MAX_LENGTH:
+        raise DemoError(
+            f"length {s.length}: at most {MAX_LENGTH} digits (the model's context is 2 * length + 3 "
+            "positions, and a small model learns short sorts in minutes)"
+        )
     if s.steps < 1:
         raise DemoError(f"steps {s.steps}: train at least 1 step")
     if s.n_test < 1:

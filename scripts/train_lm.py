@@ -226,6 +226,10 @@ def load_local_files(files: dict[str, str | None]) -> datasets.DatasetDict:
             raise TrainingInputError(
                 f"{split}_file {paths[split]!r} could not be read as {builder}: {cause}"
             ) from err
+        except ValueError as err:  # datasets' answer to a file with no rows ("corresponds to no data")
+            if "no data" not in str(err):
+                raise
+            raise TrainingInputError(f"{split}_file {paths[split]!r} holds no rows") from err
     return datasets.DatasetDict(out)
 
 

@@ -707,3 +707,27 @@ def test_every_command_prints_its_help(command, capsys):
 
 def test_the_commands_are_all_there():
     assert HFGPT_COMMANDS == ["hfgpt-convert", "hfgpt-demo", "hfgpt-finetune", "hfgpt-push", "hfgpt-train"]
+
+
+def test_main_runs_from_a_worker_thread(tmp_path):
+    # Only the main thread may install the SIGTERM handler; elsewhere the conversion runs without it.
+    import threading
+
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(main([str(GPT2), str(tmp_path / "out")])))
+    worker.start()
+    worker.join()
+    assert codes == [0] and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_interrupted_push_says_the_conversion_is_complete(tmp_path, capsys, monkeypatch):
+    import hfgpt.scripts.push_to_hub as push_module
+
+    def interrupted(model_dir, repo_id):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(push_module, "push_to_hub", interrupted)
+    assert main([str(GPT2), str(tmp_path / "out"), "--push-to-hub", "someone/gpt2-tiny"]) == 130
+    assert (
+        f"interrupted while pushing: {tmp_path / 'out'} is converted and complete" in capsys.readouterr().err
+    )

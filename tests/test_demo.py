@@ -81,6 +81,8 @@ def test_settings_too_small_are_refused(tmp_path, capsys):
         run_demo(tmp_path, DemoSettings(n_test=0))
     assert main(["--output-dir", str(tmp_path), "--length", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+    assert main(["--output-dir", str(tmp_path), "--length", "10000000"]) == 2  # once 8 s in 10**length
+    assert capsys.readouterr().err.startswith("error: length 10000000: at most 64 digits")
 
 
 def test_more_sequences_than_the_length_allows_are_refused(tmp_path, capsys):

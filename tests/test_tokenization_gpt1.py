@@ -379,6 +379,9 @@ def test_added_token_options_match_transformers_tokenizers() -> None:
         "qqzx_a qqzx. (qqzx) éqqzx qqzx9",
         "a <m>  b a<m>b\n<m>\n",
         "x <l> <r> y <r>  <l> z",
+        # Where Python's \\w / isspace differ from the Unicode classes the tokenizers library (Rust) uses.
+        "qqzx\u200d qqzx\u0301 e\u0301qqzx qqzx² Ⅰqqzx qqzxª",
+        "\x1c<m>\x1c a\x1f<m> \u00a0<l> <r>\u2003",
     ]
     ours, reference = GPT1Tokenizer(), GPT2Tokenizer()
     for tokenizer in (ours, reference):
@@ -403,6 +406,37 @@ def test_added_token_options_match_transformers_tokenizers() -> None:
         qqzx,
     ]
     assert ours.tokenize("a <m>  b") == ["a</w>", "<m>", "b</w>"]
+
+
+def test_split_special_tokens_splits_special_tokens_only() -> None:
+    # As the tokenizers library's encode_special_tokens (hfgpt's GPT2Tokenizer): a user's ordinary added
+    # token still matches, only the special ones (the fine-tuning tokens) become text.
+    from hfgpt.tokenization import GPT2Tokenizer
+
+    text = "a qqzx _classify_"
+    for tokenizer, special in (
+        (GPT1Tokenizer(add_finetune_tokens=True), "_classify_"),
+        (GPT2Tokenizer(), None),
+    ):
+        if special is None:
+            tokenizer.add_special_tokens({"additional_special_tokens": ["_classify_"]})
+        tokenizer.add_tokens(["qqzx"])
+        pieces = tokenizer.tokenize(text, split_special_tokens=True)
+        assert "qqzx" in pieces and "_classify_" not in pieces
+        assert (
+            tokenizer.convert_tokens_to_ids("_classify_")
+            not in tokenizer(text, split_special_tokens=True)["input_ids"]
+        )
+
+
+def test_text_longer_than_spacys_limit_is_tokenized_whole() -> None:
+    # spaCy refuses texts over nlp.max_length (1,000,000) for its parser's sake; the tokenizer alone has
+    # no such need, and the ids of a long text are those of its pieces joined.
+    tokenizer = GPT1Tokenizer()
+    line = "the quick brown fox jumps over the lazy dog. "  # ends in a space: each repeat splits alike
+    repeat = 1_000_001 // len(line) + 1
+    ids = tokenizer(line * repeat)["input_ids"]
+    assert ids == tokenizer(line)["input_ids"] * repeat
 
 
 def test_datasets_fingerprint_survives_tokenizing(tmp_path: Path) -> None:

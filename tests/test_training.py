@@ -236,6 +236,7 @@ def test_accelerate_launch_two_processes(tmp_path, corpus):
         ("number-column", r"train data column 'id' holds int64 values, not text; choose a text column"),
         ("mixed-formats", r"train_file '.*train\.txt' is text but validation_file '.*train\.jsonl' is json"),
         ("malformed", r"train_file '.*bad\.jsonl' could not be read as json: .*row 1"),
+        ("header-only", r"train_file '.*header\.csv' holds no rows"),
     ],
 )
 def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, capsys):
@@ -267,6 +268,9 @@ def test_bad_input_is_refused_before_training(tmp_path, corpus, case, message, c
     elif case == "malformed":
         (tmp_path / "bad.jsonl").write_text('{"text": "a cat"}\n{"text": oops\n')
         argv[data] = str(tmp_path / "bad.jsonl")
+    elif case == "header-only":
+        (tmp_path / "header.csv").write_text("text\n")
+        argv[data] = str(tmp_path / "header.csv")
     else:
         argv[argv.index("gpt2")] = "gpt5"
     with pytest.raises(TrainingInputError, match=message):

@@ -26,6 +26,8 @@ import importlib
 import json
 import os
 import re
+import sys
+import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,21 @@ _OTHER_WHITESPACE_RUN = re.compile(r"[^\S\n]+")
 
 _WORD_END = "</w>"
 # What the `tokenizers` library counts as a word character around a single_word added token (regex \w).
-_WORD_CHARACTER = re.compile(r"\w")
+_JOIN_CONTROLS = "\u200c\u200d"
+
+
+def _is_word_character(char: str) -> bool:
+    """Rust regex's Unicode ``\\w`` (letters, marks, decimal digits, connector punctuation, join controls), which
+    the ``tokenizers`` library tests around a single_word token; Python's ``\\w`` differs (it takes ``²``,
+    not combining marks)."""
+    category = unicodedata.category(char)
+    return category[0] in "LM" or category in ("Nd", "Nl", "Pc") or char in _JOIN_CONTROLS
+
+
+def _is_white_space(char: str) -> bool:
+    """Unicode White_Space, Rust's ``char::is_whitespace`` (lstrip/rstrip in ``tokenizers``); Python's
+    ``str.isspace`` also takes the separators U+001C..U+001F."""
+    return char.isspace() and not "\x1c" <= char <= "\x1f"
 
 
 class MissingDependencyError(ImportError):
@@ -234,6 +250,9 @@ class _EnglishWordSplitter:
 
     def __init__(self) -> None:
         self._nlp = importlib.import_module("spacy").blank("en")
+        # spaCy refuses texts over 1,000,000 characters (E088) to bound the parser's and NER's memory; the
+        # tokenizer alone runs here, in memory proportional to the text, so any length is tokenized whole.
+        self._nlp.max_length = sys.maxsize
 
     def __call__(self, text: str) -> Any:
         return self._nlp.make_doc(text)
@@ -405,8 +424,13 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         make its chunk take the whitespace on its left/right (so its offsets cover that whitespace too).
         """
         unk = str(self.unk_token)
-        added = {t: i for t, i in self._added_tokens_encoder.items() if t != unk}
-        if split_special_tokens or not added:
+        added = {
+            t: i
+            for t, i in self._added_tokens_encoder.items()
+            # split_special_tokens splits special tokens only; other added tokens still match (as tokenizers').
+            if t != unk and not (split_special_tokens and self._added_tokens_decoder[i].special)
+        }
+        if not added:
             return [(text, None)]
         # Longest first, so that of two tokens starting at one place the longer matches (leftmost-longest).
         pattern = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
@@ -419,14 +443,15 @@ class GPT1Tokenizer(PreTrainedTokenizer):
             if start < done:
                 continue  # inside the whitespace the previous token's rstrip took
             if token.single_word and (
-                (start > 0 and _WORD_CHARACTER.match(text[start - 1])) or _WORD_CHARACTER.match(text, end)
+                (start > 0 and _is_word_character(text[start - 1]))
+                or (end < len(text) and _is_word_character(text[end]))
             ):
                 continue
             if token.lstrip:
-                while start > done and text[start - 1].isspace():
+                while start > done and _is_white_space(text[start - 1]):
                     start -= 1
             if token.rstrip:
-                while end < len(text) and text[end].isspace():
+                while end < len(text) and _is_white_space(text[end]):
                     end += 1
             if done < start:
                 chunks.append((text[done:start], None))
