@@ -82,8 +82,9 @@ class GPTConfig(PretrainedConfig):
     """
 
     model_type = "hfgpt"
-    # Scalar loss terms reported beside `loss`: not predictions for Trainer to gather at evaluation.
-    keys_to_ignore_at_inference = ["past_key_values", "classification_loss", "lm_loss", "mc_loss"]
+    # Scalar loss terms: not predictions for Trainer to gather at evaluation ("loss" too, which Trainer
+    # keeps among the predictions when a batch lacks one of the label names, e.g. mc_labels alone).
+    keys_to_ignore_at_inference = ["past_key_values", "loss", "classification_loss", "lm_loss", "mc_loss"]
     attribute_map = {
         "hidden_size": "n_embd",
         "max_position_embeddings": "n_positions",

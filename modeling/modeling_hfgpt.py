@@ -27,7 +27,7 @@ from torch.nn.modules.module import _global_forward_hooks
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -66,6 +66,7 @@ from .ops_hfgpt import (
     onednn_products_apply,
     project_to_vocab,
     use_onednn_products,
+    values_readable,
     vocab_product_dtype,
     weighted_lm_loss,
     workspace,
@@ -226,7 +227,13 @@ class GPTMLP(nn.Module):
             inner = self.c_fc(hidden_states)
             # In place only where nothing else can hold c_fc's output: no autograd, no forward hook.
             in_place = IN_PLACE.get(self.act)
-            if in_place is None or inner.requires_grad or self.c_fc._forward_hooks or _global_forward_hooks:
+            if (
+                in_place is None
+                or inner.requires_grad
+                or self.c_fc._forward_hooks
+                or _global_forward_hooks
+                or torch.jit.is_tracing()  # a trace is checked by tracing again, with grad mode as it was
+            ):
                 inner = self.act(inner)
             else:
                 inner = in_place(inner)
@@ -472,6 +479,16 @@ class GPTPreTrainedModel(PreTrainedModel):
         return logits.view(*hidden_states.shape[:-1], -1), loss
 
 
+def _cache_batch(cache: Cache | None) -> int | None:
+    """The batch size a `DynamicCache`'s keys were stored for (its append would broadcast a batch of one
+    to any other, silently); None for other caches, which check their own shapes."""
+    layers = getattr(cache, "layers", None)
+    if not layers or type(layers[0]) is not DynamicLayer or not layers[0].is_initialized:
+        return None
+    keys = layers[0].keys
+    return keys.shape[0] if isinstance(keys, torch.Tensor) and keys.ndim == 4 else None
+
+
 def _check_index_range(ids: torch.Tensor, size: int, message: str) -> None:
     """A clear error for ids outside an embedding table of `size` rows (F.embedding's comes from deep
     inside torch); `message` is formatted with the offending id as `bad`."""
@@ -586,9 +603,15 @@ class GPTModel(GPTPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if not torch.compiler.is_compiling():
+        checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
+        if values_readable(*checked):
             self._check_inputs(
                 input_ids, attention_mask, batch, seq_len, past_seen, position_ids, token_type_ids
+            )
+        if past_seen and _cache_batch(past_key_values) not in (None, batch):
+            raise ValueError(
+                f"past_key_values holds {_cache_batch(past_key_values)} sequences, but the input has {batch}: "
+                "pass the cache of these sequences (or reorder/repeat it first)"
             )
 
         if inputs_embeds is None:
@@ -796,7 +819,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             return F.mse_loss(logits, labels.to(logits.dtype))
         if self.config.problem_type == "single_label_classification":
             flat = labels.reshape(-1)
-            if not torch.compiler.is_compiling():
+            if values_readable(flat):
                 bad = flat[(flat != -100) & ((flat < 0) | (flat >= self.num_labels))]
                 if bad.numel():
                     raise ValueError(

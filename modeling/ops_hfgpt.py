@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -153,6 +154,14 @@ def eager_on_cpu(x: torch.Tensor) -> bool:
     """A CPU tensor outside a compiled graph and a TorchScript trace, where hfgpt's own CPU products
     (`onednn_runs_here`, `one_row_parts`) may run."""
     return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and x.device.type == "cpu"
+
+
+def values_readable(*tensors: torch.Tensor) -> bool:
+    """Whether the host may read these tensors' values (for input checks): not inside a compiled graph or
+    a TorchScript trace, not for meta or fake tensors (shape-only passes that estimate memory or FLOPs)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return not any(t.device.type == "meta" or is_fake(t) for t in tensors)
 
 
 def float32_outside_autocast(*tensors: torch.Tensor) -> bool:

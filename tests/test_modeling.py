@@ -723,3 +723,61 @@ def test_score_dropout_acts_in_training_only():
     assert not torch.equal(dropped(ids).logits, dropped(ids).logits)
     dropped.eval()
     torch.testing.assert_close(dropped(ids).logits, plain.eval()(ids).logits)
+
+
+def test_shape_only_passes_on_meta_and_fake_tensors():
+    # Memory and FLOP estimates run the model on tensors without values: the input checks must not read them.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    peer, ours = make_pair(GPTForCausalLM, "pre")
+    for model in (peer, ours):
+        meta = model.to("meta")
+        assert meta(torch.zeros(2, 5, dtype=torch.long, device="meta")).logits.shape == (2, 5, VOCAB)
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        ids = mode.from_tensor(random_ids(2, 5))
+        assert ours(ids).logits.shape == (2, 5, VOCAB)
+
+
+def test_torch_jit_trace_with_its_checks():
+    _, ours = make_pair(GPTForCausalLM, "pre")
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(ids, use_cache=False).logits
+
+    ids = random_ids(2, 9)
+    traced = torch.jit.trace(Logits(ours), (ids,))  # traces twice and compares the graphs
+    torch.testing.assert_close(traced(ids), ours(ids).logits)
+
+
+def test_cache_of_another_batch_size_is_refused():
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    cache = ours(random_ids(1, 4), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="past_key_values holds 1 sequences, but the input has 2"):
+        ours(random_ids(2, 1), past_key_values=cache)
+
+
+def test_trainer_predict_gives_logits_first_for_multiple_choice(tmp_path):
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = GPTDoubleHeadsModel(GPTConfig(**TINY))
+    ids = random_ids(3 * 2, 5).view(3, 2, 5)
+
+    class Choices(Dataset):  # mc_labels only: Trainer then keeps the model's outputs as predictions
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": ids[i], "mc_labels": torch.tensor(i % 2)}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_eval_batch_size=3
+    )
+    predictions = Trainer(model=model, args=args).predict(Choices()).predictions
+    assert predictions[0].shape == (3, 2, 5, VOCAB) and predictions[1].shape == (3, 2)
