@@ -604,15 +604,15 @@ class GPTModel(GPTPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
-        if values_readable(*checked):
+        if values_readable(*checked):  # eager, real tensors
             self._check_inputs(
                 input_ids, attention_mask, batch, seq_len, past_seen, position_ids, token_type_ids
             )
-        if past_seen and _cache_batch(past_key_values) not in (None, batch):
-            raise ValueError(
-                f"past_key_values holds {_cache_batch(past_key_values)} sequences, but the input has {batch}: "
-                "pass the cache of these sequences (or reorder/repeat it first)"
-            )
+            if past_seen and _cache_batch(past_key_values) not in (None, batch):
+                raise ValueError(
+                    f"past_key_values holds {_cache_batch(past_key_values)} sequences, but the input has "
+                    f"{batch}: pass the cache of these sequences (or reorder/repeat it first)"
+                )
 
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
