@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import numpy as np
@@ -146,7 +147,16 @@ def measure(fn_name: str, *args: str, isolate: bool = True) -> dict[str, float]:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn_name, args, queue))
     proc.start()
-    result = queue.get()
+    while True:  # a child that fails puts nothing: waiting on the queue alone would wait forever
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except Empty:
+            if not proc.is_alive() and queue.empty():
+                proc.join()
+                raise RuntimeError(
+                    f"{fn_name} exited with {proc.exitcode} without figures (its traceback is above)"
+                ) from None
     proc.join()
     if proc.exitcode:
         raise RuntimeError(f"{fn_name} exited with {proc.exitcode}")
@@ -161,6 +171,10 @@ def run_benchmark(
     peer: bool = True,
 ) -> dict[str, Any]:
     hparams = SIZES[size]
+    if workdir is not None and not Path(workdir).is_dir():
+        raise NotADirectoryError(
+            f"workdir {workdir} is not an existing folder (the release is written there)"
+        )
     root = Path(tempfile.mkdtemp(prefix="bench_convert-", dir=workdir))
     try:
         start = time.perf_counter()
@@ -222,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="time hfgpt only")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    # Checked before the minutes of conversion, not after.
+    if args.workdir is not None and not Path(args.workdir).is_dir():
+        parser.error(f"--workdir {args.workdir} is not an existing folder; create it first")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: folder {args.json.parent} does not exist")
     results = run_benchmark(args.size, args.dtype, args.workdir, peer=not args.no_peer)
     print(_report(results))
     if args.json:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import statistics
@@ -965,11 +966,25 @@ def _concurrent(ours: dict, peer: dict) -> str:
     )
 
 
+def json_figures(value: Any) -> Any:
+    """`value` with each NaN or infinite float (a figure not measured, such as a memory row's timings)
+    replaced by None: json.dumps would write bare NaN / Infinity tokens, which are not JSON (strict
+    parsers, jq and JavaScript refuse the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_figures(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_figures(item) for item in value]
+    return value
+
+
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    """`report` as JSON at `path`, written next to it first and moved into place once complete."""
+    """`report` as JSON at `path` (missing figures as null), written next to it first and moved into place
+    once complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
+    tmp.write_text(json.dumps(json_figures(report), indent=1, allow_nan=False))
     tmp.replace(path)
 
 

@@ -96,14 +96,46 @@ CARD_KINDS: dict[str, CardKind] = {
 }
 COMMON_FACTS = frozenset({"repo_id", "converter_version", "eval_results"})
 
-# Head class -> (Auto class to load it with, Hub pipeline tag).
-HEADS: dict[str, tuple[str, str | None]] = {
-    "GPTForCausalLM": ("AutoModelForCausalLM", "text-generation"),
-    "GPTDoubleHeadsModel": ("AutoModel", "text-generation"),
-    "GPTForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
-    "GPTForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
-    "GPTForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
-    "GPTModel": ("AutoModel", "feature-extraction"),
+# What a checkpoint's head computes -> (the Auto class that loads it, its Hub pipeline tag). No Auto class
+# loads a double-heads model (AutoModelForMultipleChoice expects no LM head; AutoModel gives the bare
+# decoder), so its card names the class itself.
+HEADS: dict[str, tuple[str | None, str]] = {
+    "causal-lm": ("AutoModelForCausalLM", "text-generation"),
+    "double-heads": (None, "text-generation"),
+    "sequence-classification": ("AutoModelForSequenceClassification", "text-classification"),
+    "token-classification": ("AutoModelForTokenClassification", "token-classification"),
+    "question-answering": ("AutoModelForQuestionAnswering", "question-answering"),
+    "base": ("AutoModel", "feature-extraction"),
+}
+
+# config.json's `architectures[0]` -> (its `model_type`, its head). hfgpt's own classes (model_type
+# "hfgpt"), and transformers' GPT2* / OpenAIGPT* classes, which `hfgpt-convert --format transformers` and
+# `hfgpt.modeling.interop.to_transformers` write (transformers has no OpenAIGPT token-classification or
+# question-answering class).
+HEAD_CLASSES: dict[str, tuple[str, str]] = {
+    "GPTForCausalLM": ("hfgpt", "causal-lm"),
+    "GPTDoubleHeadsModel": ("hfgpt", "double-heads"),
+    "GPTForSequenceClassification": ("hfgpt", "sequence-classification"),
+    "GPTForTokenClassification": ("hfgpt", "token-classification"),
+    "GPTForQuestionAnswering": ("hfgpt", "question-answering"),
+    "GPTModel": ("hfgpt", "base"),
+    "GPT2LMHeadModel": ("gpt2", "causal-lm"),
+    "GPT2DoubleHeadsModel": ("gpt2", "double-heads"),
+    "GPT2ForSequenceClassification": ("gpt2", "sequence-classification"),
+    "GPT2ForTokenClassification": ("gpt2", "token-classification"),
+    "GPT2ForQuestionAnswering": ("gpt2", "question-answering"),
+    "GPT2Model": ("gpt2", "base"),
+    "OpenAIGPTLMHeadModel": ("openai-gpt", "causal-lm"),
+    "OpenAIGPTDoubleHeadsModel": ("openai-gpt", "double-heads"),
+    "OpenAIGPTForSequenceClassification": ("openai-gpt", "sequence-classification"),
+    "OpenAIGPTModel": ("openai-gpt", "base"),
+}
+
+# model_type -> the class a config without `architectures` stands for (save_pretrained records it).
+_DEFAULT_ARCHITECTURE = {
+    "hfgpt": "GPTForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "openai-gpt": "OpenAIGPTLMHeadModel",
 }
 
 
@@ -118,14 +150,80 @@ def hfgpt_version() -> str:
         return "unknown"
 
 
+def model_type_of(config: Mapping[str, Any]) -> str:
+    """The checkpoint format of `config`: "hfgpt" (also for a dict without `model_type`, such as hfgpt's
+    presets), or transformers' own "gpt2" / "openai-gpt"."""
+    model_type = config.get("model_type") or "hfgpt"
+    if model_type not in _DEFAULT_ARCHITECTURE:
+        raise ModelCardError(
+            f"config model_type {model_type!r} is not an hfgpt, gpt2 or openai-gpt model; hfgpt's cards "
+            "describe those only"
+        )
+    return model_type
+
+
+def architecture_of(config: Mapping[str, Any]) -> str:
+    """`config`'s head class (`architectures[0]`, else the causal LM of its format), checked against the
+    known heads and the config's `model_type`."""
+    model_type = model_type_of(config)
+    architectures = config.get("architectures") or [_DEFAULT_ARCHITECTURE[model_type]]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelCardError(f"config architectures must be a list of class names, got {architectures!r}")
+    name = architectures[0]
+    if name not in HEAD_CLASSES:
+        raise ModelCardError(
+            f"config architectures[0] {name!r} is not a head hfgpt's cards know ({', '.join(HEAD_CLASSES)})"
+        )
+    if HEAD_CLASSES[name][0] != model_type:
+        raise ModelCardError(
+            f"config architectures[0] {name!r} is a {HEAD_CLASSES[name][0]} class, but model_type is "
+            f"{model_type!r}"
+        )
+    return name
+
+
+def layer_norm_position_of(config: Mapping[str, Any]) -> str:
+    """Where `config`'s layer norms sit: "post" (GPT-1: transformers' OpenAIGPT, or hfgpt's field) or
+    "pre" (GPT-2)."""
+    model_type = model_type_of(config)
+    if model_type == "hfgpt":
+        return config.get("layer_norm_position", "pre")
+    return "post" if model_type == "openai-gpt" else "pre"
+
+
+def _num_labels(config: Mapping[str, Any]) -> int:
+    # PretrainedConfig's num_labels is len(id2label); config.json may carry either, or neither (2 labels).
+    if config.get("num_labels") is not None:
+        return int(config["num_labels"])
+    return len(config["id2label"]) if config.get("id2label") else 2
+
+
 def count_parameters(config: Mapping[str, Any]) -> int:
-    """Parameters of the model described by `config`, tied LM head counted once (as the checkpoint stores
-    it): embeddings V*E + P*E; per block two layer norms (4E), attention 4E^2 + 4E, MLP 2*E*I + I + E;
-    plus the final layer norm of GPT-2 (pre-norm)."""
+    """Parameters of the model described by `config` (its `architectures[0]`, default the causal LM), as
+    the checkpoint stores them: embeddings V*E + P*E; per block two layer norms (4E), attention 4E^2 + 4E,
+    MLP 2*E*I + I + E; the final layer norm of GPT-2 (pre-norm); then the head: an LM head V*E unless tied
+    to the embeddings (counted once then), the double-heads' summary projection (one output, or E without
+    `summary_proj_to_labels`: transformers sets num_labels to 1 there, hfgpt asks for one), the sequence
+    classifier E*L (+L with hfgpt's `score_bias`), the token classifier E*L + L, the span head 2E + 2."""
     e, n_layer, inner = config["n_embd"], config["n_layer"], config.get("n_inner") or 4 * config["n_embd"]
+    vocab = config["vocab_size"]
     block = 4 * e + (4 * e * e + 4 * e) + (2 * e * inner + inner + e)
-    final_norm = 2 * e if config.get("layer_norm_position", "pre") == "pre" else 0
-    return (config["vocab_size"] + config["n_positions"]) * e + n_layer * block + final_norm
+    final_norm = 2 * e if layer_norm_position_of(config) == "pre" else 0
+    total = (vocab + config["n_positions"]) * e + n_layer * block + final_norm
+    head = HEAD_CLASSES[architecture_of(config)][1]
+    if head in ("causal-lm", "double-heads") and not config.get("tie_word_embeddings", True):
+        total += vocab * e
+    if head == "double-heads" and config.get("summary_use_proj", True):
+        outputs = 1 if config.get("summary_proj_to_labels", True) else e
+        total += e * outputs + outputs
+    labels = _num_labels(config)
+    if head == "sequence-classification":
+        total += e * labels + (labels if config.get("score_bias", False) else 0)
+    elif head == "token-classification":
+        total += e * labels + labels
+    elif head == "question-answering":
+        total += 2 * e + 2
+    return total
 
 
 def _human(n: int) -> str:
@@ -205,8 +303,11 @@ def render_model_card(kind: str, config: Any = None, **facts: Any) -> ModelCard:
     reported = gpt2_reported_results(kind) if kind in GPT2_TABLE3 else []
     results = reported + measured
 
-    architectures = cfg.get("architectures") or ["GPTForCausalLM"]
-    auto_class, pipeline_tag = HEADS.get(architectures[0], ("AutoModel", None))
+    model_type = model_type_of(cfg)
+    architecture = architecture_of(cfg)
+    head = HEAD_CLASSES[architecture][1]
+    auto_class, pipeline_tag = HEADS[head]
+    license_id = facts.get("license", "mit")
     repo_id = facts.get("repo_id") or "path/to/this/model"
     title = facts.get("title") or (
         repo_id.split("/")[-1] if kind == "trained" and facts.get("repo_id") else spec.title
@@ -216,7 +317,7 @@ def render_model_card(kind: str, config: Any = None, **facts: Any) -> ModelCard:
 
     card_data = ModelCardData(
         language=facts.get("language", "en"),
-        license=facts.get("license", "mit"),
+        license=license_id,
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         tags=sorted({"hfgpt", *spec.tags, *(facts.get("tags") or ())}),
@@ -250,9 +351,19 @@ def render_model_card(kind: str, config: Any = None, **facts: Any) -> ModelCard:
         "datasets": datasets,
         "base_model": base_model,
         "base_model_url": f"https://huggingface.co/{base_model}" if base_model else None,
-        "architectures": architectures,
+        "license": license_id,
+        "architecture": architecture,
+        "head": head,
         "auto_class": auto_class,
-        "layer_norm_position": cfg.get("layer_norm_position", "pre"),
+        "model_type": model_type,
+        # The checkpoint needs hfgpt's code (shipped beside it for trust_remote_code) only in hfgpt format;
+        # gpt2 / openai-gpt checkpoints are transformers' own classes.
+        "remote_code": model_type == "hfgpt",
+        "hfgpt_class": next(n for n, (t, h) in HEAD_CLASSES.items() if t == "hfgpt" and h == head),
+        # AutoTokenizer loads GPT-2's tokenizer and transformers' OpenAIGPTTokenizer as they are; hfgpt's
+        # GPT-1 tokenizer needs ftfy and spaCy, so the GPT-1 release card explains it instead.
+        "with_tokenizer": kind != "trained" and (kind != "openai-gpt" or model_type != "hfgpt"),
+        "layer_norm_position": layer_norm_position_of(cfg),
         **{k: cfg[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")},
     }
     content = env.get_template(spec.template).render(**values)
@@ -261,9 +372,14 @@ def render_model_card(kind: str, config: Any = None, **facts: Any) -> ModelCard:
 
 __all__ = [
     "CARD_KINDS",
+    "HEADS",
+    "HEAD_CLASSES",
     "GPT2_TABLE3",
     "ModelCardError",
+    "architecture_of",
     "count_parameters",
     "gpt2_reported_results",
+    "layer_norm_position_of",
+    "model_type_of",
     "render_model_card",
 ]

@@ -9,6 +9,8 @@ agreement) beside float32.
 
 import copy
 import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,45 @@ def _head_to_decoding_linear(model: nn.Module) -> None:
     model.lm_head = new
 
 
+# Set on each copy `quantize_for_decoding` returns: the dtype it was made for.
+DECODING_COPY_ATTRIBUTE = "hfgpt_decoding_dtype"
+
+
+def decoding_copy_error(model: Any, action: str) -> str | None:
+    """The message refusing `action` (saving, pushing, exporting) on a copy made by
+    `quantize_for_decoding`, or None for any other model.
+
+    Such a copy cannot be written as a checkpoint: its `nn.Linear` weights are `[out, in]` under the keys
+    of Conv1D's `[in, out]` ones (float32, bfloat16: `from_pretrained` refuses the non-square ones and
+    loads a square `c_proj` transposed, without a word), or packed int8 parameters that safetensors cannot
+    hold."""
+    dtype = getattr(model, DECODING_COPY_ATTRIBUTE, None)
+    return None if dtype is None else _decoding_copy_message(action, dtype)
+
+
+def _decoding_copy_message(action: str, dtype: torch.dtype) -> str:
+    return (
+        f"{action} refused: this model is a decoding copy made by quantize_for_decoding ({dtype}), whose "
+        "layers no longer have the checkpoint's layout; save or export the float32 model it was made from"
+    )
+
+
+def _refuse(action: str, dtype: torch.dtype) -> Callable[..., NoReturn]:
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(_decoding_copy_message(action, dtype))
+
+    return refuse
+
+
+def _mark_decoding_copy(model: GPTPreTrainedModel, dtype: torch.dtype) -> GPTPreTrainedModel:
+    """Mark `model` as a decoding copy and shadow its writers (instance attributes, which `copy.deepcopy`
+    of the copy keeps) so that they refuse, naming what to save instead."""
+    setattr(model, DECODING_COPY_ATTRIBUTE, dtype)
+    for action in ("save_pretrained", "push_to_hub"):
+        setattr(model, action, _refuse(action, dtype))
+    return model
+
+
 def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.qint8) -> GPTPreTrainedModel:
     """A copy of `model` with int8 (`torch.qint8`, the default), `torch.bfloat16` or `torch.float32`
     weights for CPU inference; `model` itself is left untouched.
@@ -102,7 +143,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       products through oneDNN's linear op). For one row, the CPU's bfloat16 kernels read an `[out, in]`
       weight ~1.6x faster than Conv1D's `[in, out]` (768 x 3072: 159-174 vs 251-271 us, weights not in
       cache), which a plain `model.to(torch.bfloat16)` would keep.
-    The copy is for inference: save the float32 model, not this one.
+    The copy is for inference: its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse
+    it (ValueError); save the float32 model instead.
     """
     if dtype not in (torch.qint8, torch.bfloat16, torch.float32):
         raise ValueError(
@@ -115,11 +157,11 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     model = copy.deepcopy(model).eval()
     if dtype == torch.float32:
         _conv1d_to_linear(model, DecodingLinear)
-        return model
+        return _mark_decoding_copy(model, dtype)
     if dtype == torch.bfloat16:
         _conv1d_to_linear(model, DecodingLinear)
         _head_to_decoding_linear(model)
-        return model.to(torch.bfloat16)
+        return _mark_decoding_copy(model.to(torch.bfloat16), dtype)
     _conv1d_to_linear(model)
     with warnings.catch_warnings():
         # torch.ao's eager quantisation is deprecated in favour of torchao (not a dependency); it ships
@@ -127,7 +169,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+        quantized = quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return _mark_decoding_copy(quantized, dtype)
 
 
-__all__ = ["DecodingLinear", "quantize_for_decoding"]
+__all__ = ["DecodingLinear", "decoding_copy_error", "quantize_for_decoding"]

@@ -22,7 +22,7 @@ import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
@@ -82,12 +82,11 @@ def _weight_files(model_dir: Path) -> list[str]:
     if (model_dir / WEIGHTS).is_file():
         return [WEIGHTS]
     if (model_dir / WEIGHTS_INDEX).is_file():
-        shards = sorted(set(_load_json(model_dir / WEIGHTS_INDEX).get("weight_map", {}).values()))
+        shards = _index_shards(model_dir / WEIGHTS_INDEX)
         missing = [s for s in shards if not (model_dir / s).is_file()]
-        if not shards or missing:
+        if missing:
             raise PushError(
-                f"{model_dir / WEIGHTS_INDEX} lists shards that are not in the folder: "
-                f"{', '.join(missing) or '(no shards at all)'}"
+                f"{model_dir / WEIGHTS_INDEX} lists shards that are not in the folder: {', '.join(missing)}"
             )
         return [WEIGHTS_INDEX, *shards]
     pickles = sorted(p.name for p in model_dir.glob("pytorch_model*.bin"))
@@ -97,6 +96,33 @@ def _weight_files(model_dir: Path) -> list[str]:
         else ""
     )
     raise PushError(f"no safetensors weights in {model_dir}: expected {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files `index`'s weight_map names (tensor name -> file), as paths inside the folder."""
+    weight_map = _load_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PushError(
+            f"{index}: weight_map must be a non-empty JSON object mapping each tensor name to its shard "
+            f"file, got {json.dumps(weight_map)[:80]}"
+        )
+    shards = set()
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise PushError(f"{index}: weight_map[{tensor!r}] must be a shard file name, got {shard!r}")
+        path = PurePosixPath(shard)
+        if path.is_absolute() or ".." in path.parts or "\\" in shard:
+            raise PushError(
+                f"{index}: weight_map[{tensor!r}] names {shard!r}, outside the model folder; shards must be "
+                "files inside it, named relative to it"
+            )
+        if any(fnmatch.fnmatch(part, pat) for part in path.parts for pat in NOT_UPLOADED):
+            raise PushError(
+                f"{index}: weight_map[{tensor!r}] names {shard!r}, a path that is never uploaded (training "
+                f"state or hidden files: {', '.join(NOT_UPLOADED)})"
+            )
+        shards.add(path.as_posix())
+    return sorted(shards)
 
 
 def _hfgpt_auto_map() -> tuple[dict[str, str], Path]:
@@ -120,13 +146,22 @@ def _remote_code(model_dir: Path, config: dict[str, Any]) -> tuple[dict[str, Any
     """For an hfgpt checkpoint: the config with `auto_map` covering every head, and the code files that
     `auto_map` names (plus what they import relatively) which the folder lacks, taken from the installed
     hfgpt.modeling."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
     auto_map, package_dir = _hfgpt_auto_map()
     config = {**config, "auto_map": {**(config.get("auto_map") or {}), **auto_map}}
     needed = {ref.split(".")[0] + ".py" for ref in config["auto_map"].values()}
-    for name in list(needed):
-        needed.update(Path(f).name for f in get_relative_import_files(package_dir / name))
+    return config, _code_files(model_dir, needed, package_dir)
+
+
+def _code_files(model_dir: Path, names: set[str], package_dir: Path) -> dict[str, Path]:
+    """The code files `names` and what they import relatively, checked loadable without hfgpt: those the
+    folder lacks, taken from `package_dir` (the installed hfgpt package that writes them)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    needed = set(names)
+    for name in names:
+        source = model_dir / name if (model_dir / name).is_file() else package_dir / name
+        if source.is_file():
+            needed.update(Path(f).name for f in get_relative_import_files(source))
     extra = {}
     for name in sorted(needed):
         source = model_dir / name if (model_dir / name).is_file() else package_dir / name
@@ -137,7 +172,35 @@ def _remote_code(model_dir: Path, config: dict[str, Any]) -> tuple[dict[str, Any
             )
         if source.parent != model_dir:
             extra[name] = source
-    return config, extra
+    return extra
+
+
+def _tokenizer_code(model_dir: Path) -> dict[str, Path]:
+    """The code files tokenizer_config.json's `auto_map` names (GPT-1's `tokenization_gpt1.py`, which
+    `GPT1Tokenizer.save_pretrained` writes beside it) that the folder lacks, taken from the installed
+    hfgpt.tokenization; a file found in neither is refused, as the repo would not load without it."""
+    path = model_dir / "tokenizer_config.json"
+    auto_map = _load_json(path).get("auto_map") or {}
+    if not isinstance(auto_map, dict):
+        raise PushError(f"{path}: auto_map must be a JSON object, got {json.dumps(auto_map)[:80]}")
+    names = set()
+    for key, refs in auto_map.items():
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if ref is None or (isinstance(ref, str) and "--" in ref):  # none, or code in another repo
+                continue
+            if not isinstance(ref, str) or "." not in ref:
+                raise PushError(f"{path}: auto_map[{key!r}] must name module.Class, got {ref!r}")
+            names.add(ref.split(".")[0] + ".py")
+    spec = importlib.util.find_spec("hfgpt.tokenization")
+    package_dir = Path(spec.origin).parent if spec is not None and spec.origin else model_dir
+    for name in sorted(names):
+        if not (model_dir / name).is_file() and not (package_dir / name).is_file():
+            raise PushError(
+                f"{path} names {name} in auto_map, but neither {model_dir} nor the installed "
+                "hfgpt.tokenization has it: the repo would not load its tokenizer with trust_remote_code; "
+                "save the tokenizer again with tokenizer.save_pretrained(model_dir)"
+            )
+    return _code_files(model_dir, names, package_dir)
 
 
 def collect_upload(
@@ -171,16 +234,22 @@ def collect_upload(
         )
 
     replaced: dict[str, bytes] = {}
-    extra_files: dict[str, Path] = {}
+    extra_files = _tokenizer_code(model_dir)
     if config.get("model_type") == "hfgpt":
-        new_config, extra_files = _remote_code(model_dir, config)
+        new_config, model_code = _remote_code(model_dir, config)
+        extra_files.update(model_code)
         if new_config != config:
             replaced["config.json"] = (json.dumps(new_config, indent=2, sort_keys=True) + "\n").encode()
     if model_card and not (model_dir / "README.md").is_file():
-        from hfgpt.model_cards import render_model_card
+        from hfgpt.model_cards import ModelCardError, render_model_card
 
         facts = {"repo_id": repo_id} if repo_id else {}
-        replaced["README.md"] = str(render_model_card("trained", config=config, **facts)).encode()
+        try:
+            replaced["README.md"] = str(render_model_card("trained", config=config, **facts)).encode()
+        except ModelCardError as err:
+            raise PushError(
+                f"cannot write a model card from {model_dir / 'config.json'}: {err} (or add a README.md)"
+            ) from err
 
     operations = []
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
@@ -192,8 +261,9 @@ def collect_upload(
         operations.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)))
     operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=data) for n, data in replaced.items()]
     operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(p)) for n, p in extra_files.items()]
-    uploaded = {op.path_in_repo for op in operations}
-    assert set(weights) <= uploaded, "weights are never filtered out"
+    left_out = sorted(set(weights) - {op.path_in_repo for op in operations})
+    if left_out:  # _index_shards refuses shards in paths never uploaded; this catches anything else
+        raise PushError(f"weight files of {model_dir} would not be uploaded: {', '.join(left_out)}")
     return operations
 
 

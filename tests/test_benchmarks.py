@@ -200,3 +200,74 @@ def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
     assert all(isinstance(row["tokens_identical"], bool) for row in report["rows"] if "decode" in row["case"])
     table = capsys.readouterr().out
     assert table.count("\n| ") == 1 + len(cases)  # the header row and one row a case
+
+
+def _strict_json(text: str) -> object:
+    """json.loads refusing the NaN / Infinity tokens Python's json accepts and writes, which JSON lacks."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_writes_null_for_figures_not_measured(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    report = {
+        "rows": [{"section": "memory", "median_s": nan, "rate": 1.5, "extra": {"a": inf, "b": [2, nan]}}]
+    }
+    bench_model.write_json(tmp_path / "figures.json", report)
+    assert _strict_json((tmp_path / "figures.json").read_text()) == {
+        "rows": [{"section": "memory", "median_s": None, "rate": 1.5, "extra": {"a": None, "b": [2, None]}}]
+    }
+
+
+def test_memory_rows_have_null_timings_in_the_json_and_the_table_reads_them(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    assert bench_model.main(["--tiny", "--families", "gpt2", "--sections", "memory", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = _strict_json(out.read_text())
+    rows = report["rows"]
+    assert {r["impl"] for r in rows} == {"hfgpt", "transformers"}
+    for row in rows:
+        assert row["median_s"] is row["min_s"] is row["max_s"] is None and row["rate"] > 0
+    assert bench_model.format_table(report) in printed  # the table from the file is the one printed
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(bench_model.__file__).parent.glob("*.json")), ids=lambda path: path.name
+)
+def test_committed_figure_files_are_strict_json(path):
+    report = _strict_json(path.read_text())
+    json.dumps(report, allow_nan=False)
+    memory = [r for r in report.get("rows", []) if isinstance(r, dict) and r.get("section") == "memory"]
+    for row in memory:  # memory rows time nothing: their timings are null, their figure is the peak
+        assert row["median_s"] is row["min_s"] is row["max_s"] is None and row["rate"] > 0
+    if memory:
+        assert f"| {memory[0]['rate']:.2f} GB |" in bench_model.format_table(report)
+
+
+@pytest.mark.parametrize("option", ["--workdir", "--json"])
+def test_convert_benchmark_refuses_a_missing_folder_before_running(tmp_path, capsys, monkeypatch, option):
+    import bench_convert
+
+    ran = []
+    monkeypatch.setattr(bench_convert, "write_synthetic_release", lambda *args: ran.append(args) or 1)
+    monkeypatch.setattr(bench_convert, "measure", lambda *args, **kw: ran.append(args) or {})
+    missing = tmp_path / "missing"
+    target = missing if option == "--workdir" else missing / "figures.json"
+    with pytest.raises(SystemExit) as exit_info:
+        bench_convert.main(["--size", "tiny", option, str(target)])
+    assert exit_info.value.code == 2 and not ran and not missing.exists()
+    err = capsys.readouterr().err
+    assert f"{option} {target}" in err and "Traceback" not in err
+    if option == "--workdir":  # the library function names it too
+        with pytest.raises(NotADirectoryError, match=f"workdir {missing} is not an existing folder"):
+            bench_convert.run_benchmark("tiny", workdir=str(missing), isolate=False)
+
+
+def test_convert_benchmark_reports_a_contender_that_fails_instead_of_waiting(tmp_path):
+    import bench_convert
+
+    with pytest.raises(RuntimeError, match="_run_hfgpt exited with 1 without figures"):
+        bench_convert.measure("_run_hfgpt", str(tmp_path / "no-release"), str(tmp_path / "out"), "float32")

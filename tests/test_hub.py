@@ -486,3 +486,85 @@ def test_hub_protocol_answers(hub: HubServer, tmp_path: Path) -> None:
     api.delete_repo("tester/protocol")
     with pytest.raises(RepositoryNotFoundError):
         api.model_info("tester/protocol")
+
+
+@pytest.mark.parametrize(
+    ("weight_map", "message"),
+    [
+        (["transformer.wte.weight"], "weight_map must be a non-empty JSON object"),
+        ({}, "weight_map must be a non-empty JSON object"),
+        ({"transformer.wte.weight": 3}, r"weight_map\['transformer.wte.weight'\] must be a shard file name"),
+        (
+            {"transformer.wte.weight": "../model.safetensors"},
+            "'../model.safetensors', outside the model folder",
+        ),
+        ({"transformer.wte.weight": "/tmp/model.safetensors"}, "outside the model folder"),
+        ({"transformer.wte.weight": "checkpoint-5/model.safetensors"}, "a path that is never uploaded"),
+    ],
+)
+def test_malformed_weights_index_is_refused_naming_the_index(
+    tmp_path: Path, checkpoints: dict[str, Path], weight_map: object, message: str
+) -> None:
+    folder = tmp_path / "sharded"
+    shutil.copytree(checkpoints["first"], folder)
+    (folder / "model.safetensors").rename(tmp_path / "model.safetensors")  # beside the folder, as ../
+    (folder / "checkpoint-5").mkdir()
+    shutil.copy(tmp_path / "model.safetensors", folder / "checkpoint-5" / "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(PushError, match=rf"sharded/model.safetensors.index.json: .*{message}"):
+        collect_upload(folder)
+
+
+def test_shards_in_a_subfolder_are_uploaded_with_the_index(
+    tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    folder = tmp_path / "subfolder-shards"
+    shutil.copytree(checkpoints["first"], folder)
+    (folder / "shards").mkdir()
+    (folder / "model.safetensors").rename(folder / "shards" / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"transformer.wte.weight": "./shards/model-00001-of-00001.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    uploaded = {op.path_in_repo for op in collect_upload(folder)}
+    assert {"model.safetensors.index.json", "shards/model-00001-of-00001.safetensors"} <= uploaded
+
+
+def test_tokenizer_code_file_named_by_auto_map_is_added_or_refused(
+    tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    """A folder whose tokenizer_config.json's auto_map names GPT-1's tokenization_gpt1.py but lacks the
+    file gets the one GPT1Tokenizer.save_pretrained writes; a code file hfgpt does not have is refused."""
+    from hfgpt.tokenization import GPT1Tokenizer
+
+    GPT1Tokenizer().save_pretrained(tmp_path / "reference")
+    folder = tmp_path / "gpt1-tokenizer"
+    shutil.copytree(checkpoints["first"], folder)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (folder / name).unlink(missing_ok=True)
+    GPT1Tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_gpt1.GPT1Tokenizer"
+    (folder / "tokenization_gpt1.py").unlink()
+
+    ops = {op.path_in_repo: op.path_or_fileobj for op in collect_upload(folder)}
+    added = Path(ops["tokenization_gpt1.py"]).read_bytes()
+    assert added == (tmp_path / "reference" / "tokenization_gpt1.py").read_bytes()
+
+    config["auto_map"]["AutoTokenizer"] = ["tokenization_mine.MyTokenizer", None]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(PushError, match=r"tokenizer_config.json names tokenization_mine.py in auto_map"):
+        collect_upload(folder)
+
+
+def test_config_the_model_card_cannot_describe_is_refused_naming_config_json(
+    tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    folder = tmp_path / "architectures-string"
+    shutil.copytree(checkpoints["first"], folder)
+    (folder / "README.md").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = "GPTForCausalLM"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        PushError, match=r"architectures-string/config.json: config architectures must be a list"
+    ):
+        collect_upload(folder)

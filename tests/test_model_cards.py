@@ -3,6 +3,8 @@ huggingface_hub's own `ModelCard.validate`, answered by the loopback Hub of test
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -171,3 +173,204 @@ def test_validation_rejects_unknown_licence_and_broken_yaml(validating_hub: HubS
     broken = b"---\nlicense: mit\ntags: [unclosed\n---\n\n# x\n"
     with pytest.raises(ValueError, match="Invalid YAML"):
         api.upload_file(path_or_fileobj=broken, path_in_repo="README.md", repo_id="tester/broken-card")
+
+
+@pytest.mark.parametrize(
+    ("facts", "body"),
+    [
+        ({}, "MIT."),
+        ({"license": "apache-2.0"}, "Released under the licence `apache-2.0`"),
+        ({"license": "apache-2.0", "license_text": "Apache 2.0, see LICENSE."}, "Apache 2.0, see LICENSE."),
+    ],
+)
+def test_trained_card_licence_section_agrees_with_the_license_metadata(facts: dict, body: str) -> None:
+    card = render_model_card("trained", config=TINY, **facts)
+    licence = card.text.split("## Licence\n\n")[1].split("\n\n## ")[0]
+    assert licence.startswith(body)
+    assert ModelCard(str(card)).data.license == facts.get("license", "mit")
+    if "license" in facts:
+        assert "MIT" not in licence
+
+
+def _heads_and_configs() -> list[tuple[type, dict]]:
+    """Every head class hfgpt's cards describe, each with the config options that change its size."""
+    import transformers
+
+    from hfgpt.modeling import (
+        GPTDoubleHeadsModel,
+        GPTForQuestionAnswering,
+        GPTForSequenceClassification,
+        GPTForTokenClassification,
+        GPTModel,
+    )
+
+    cases: list[tuple[type, dict]] = []
+    for norm in ("pre", "post"):
+        for tie in (True, False):
+            cases.append((GPTForCausalLM, dict(layer_norm_position=norm, tie_word_embeddings=tie)))
+            cases.append((GPTDoubleHeadsModel, dict(layer_norm_position=norm, tie_word_embeddings=tie)))
+        cases += [
+            (GPTModel, dict(layer_norm_position=norm)),
+            (GPTForSequenceClassification, dict(layer_norm_position=norm, num_labels=3)),
+            (GPTForSequenceClassification, dict(layer_norm_position=norm, num_labels=5, score_bias=True)),
+            (GPTForTokenClassification, dict(layer_norm_position=norm, num_labels=7)),
+            (GPTForQuestionAnswering, dict(layer_norm_position=norm)),
+        ]
+    cases.append((GPTDoubleHeadsModel, dict(summary_proj_to_labels=False)))
+    for prefix in ("GPT2", "OpenAIGPT"):
+        for name in ("Model", "LMHeadModel", "DoubleHeadsModel", "ForSequenceClassification"):
+            cases.append((getattr(transformers, prefix + name), dict(num_labels=4)))
+        cases.append((getattr(transformers, prefix + "LMHeadModel"), dict(tie_word_embeddings=False)))
+    cases.append((transformers.GPT2DoubleHeadsModel, dict(summary_proj_to_labels=False)))
+    cases += [(transformers.GPT2ForTokenClassification, dict(num_labels=6))]
+    cases += [(transformers.GPT2ForQuestionAnswering, {})]
+    return cases
+
+
+def test_parameter_counts_match_every_head_tied_or_not() -> None:
+    import transformers
+
+    for cls, options in _heads_and_configs():
+        if cls.__name__.startswith("GPT2"):
+            config = transformers.GPT2Config(**TINY, **options)
+        elif cls.__name__.startswith("OpenAIGPT"):
+            config = transformers.OpenAIGPTConfig(**TINY, **options)
+        else:
+            config = GPTConfig(**TINY, **options)
+        model = cls(config)
+        saved = {**json.loads(config.to_json_string()), "architectures": [cls.__name__]}  # as config.json
+        expected = sum(p.numel() for p in model.parameters())  # a tied head's weight once
+        assert count_parameters(saved) == expected, (cls.__name__, options)
+
+
+def _transformers_format_config(kind: str, architecture: str) -> dict:
+    """config.json as `hfgpt-convert --format transformers` writes it (interop.to_transformers_config)."""
+    from hfgpt.modeling.interop import to_transformers_config
+
+    norm = "post" if kind == "openai-gpt" else "pre"
+    config = to_transformers_config(GPTConfig(**TINY, layer_norm_position=norm))
+    config.architectures = [architecture]
+    return json.loads(config.to_json_string())
+
+
+@pytest.mark.parametrize(
+    ("kind", "architecture"),
+    [
+        ("openai-gpt", "OpenAIGPTLMHeadModel"),
+        ("gpt2", "GPT2LMHeadModel"),
+        ("trained", "OpenAIGPTLMHeadModel"),
+        ("trained", "OpenAIGPTDoubleHeadsModel"),
+        ("trained", "GPT2DoubleHeadsModel"),
+        ("trained", "GPT2ForTokenClassification"),
+    ],
+)
+def test_cards_of_transformers_format_checkpoints_describe_transformers_classes(
+    kind: str, architecture: str
+) -> None:
+    config = _transformers_format_config(
+        "openai-gpt" if "OpenAIGPT" in architecture else "gpt2", architecture
+    )
+    card = render_model_card(kind, config=config, repo_id="me/x")
+    text = card.text
+    data = ModelCard(str(card)).data
+    token_classification = architecture.endswith("ForTokenClassification")
+    assert data.pipeline_tag == ("token-classification" if token_classification else "text-generation")
+    # Not hfgpt's format: no remote code, no hfgpt model_type.
+    assert "model_type: hfgpt" not in text and "trust_remote_code" not in text
+    assert "ships in this repository" not in text
+    assert f"`model_type: {config['model_type']}`" in text
+    if kind == "trained":
+        style = "GPT-1 style, post-norm" if config["model_type"] == "openai-gpt" else "GPT-2 style, pre-norm"
+        assert f"| Architecture | {architecture} ({style}) |" in text
+    loader = "AutoModelForTokenClassification" if token_classification else "AutoModelForCausalLM"
+    if "DoubleHeads" in architecture:  # no Auto class loads it: the card names the class
+        loader = architecture
+        assert "AutoModel." not in text
+    assert f'model = {loader}.from_pretrained("me/x")' in text
+
+
+def test_double_heads_card_names_a_loader_that_loads_the_double_heads_model(tmp_path: Path) -> None:
+    """The hfgpt-format card's two snippets, run as written against a saved GPTDoubleHeadsModel: with hfgpt,
+    and in a process where hfgpt cannot be imported (remote code)."""
+    import subprocess
+
+    from hfgpt.modeling import GPTDoubleHeadsModel
+
+    torch.manual_seed(0)
+    GPTDoubleHeadsModel(GPTConfig(**TINY, bos_token_id=None, eos_token_id=None)).save_pretrained(
+        tmp_path / "dh"
+    )
+    card = render_model_card(
+        "trained",
+        config=json.loads((tmp_path / "dh" / "config.json").read_text()),
+        repo_id=str(tmp_path / "dh"),
+    )
+    assert ModelCard(str(card)).data.pipeline_tag == "text-generation"
+    assert "AutoModel." not in card.text  # AutoModel would give the bare decoder
+    code = card.text.split("```python\n")[1].split("```")[0]
+    with_hfgpt, without_hfgpt = code.split("# Without hfgpt")
+    namespace: dict = {}
+    exec(with_hfgpt, namespace)  # noqa: S102 - the card's own snippet
+    assert type(namespace["model"]) is GPTDoubleHeadsModel
+    script = "import sys\nsys.modules['hfgpt'] = None\n# Without hfgpt" + without_hfgpt
+    script += "\nprint(type(model).__name__, type(model).__module__.startswith('transformers_modules'))\n"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["GPTDoubleHeadsModel", "True"]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({**TINY, "architectures": "GPTForCausalLM"}, "architectures must be a list of class names"),
+        (
+            {**TINY, "architectures": ["LlamaForCausalLM"]},
+            "architectures.0. 'LlamaForCausalLM' is not a head",
+        ),
+        (
+            {**TINY, "model_type": "gpt2", "architectures": ["GPTForCausalLM"]},
+            "'GPTForCausalLM' is a hfgpt class, but model_type is 'gpt2'",
+        ),
+        ({**TINY, "model_type": "llama"}, "model_type 'llama' is not an hfgpt, gpt2 or openai-gpt model"),
+    ],
+)
+def test_configs_the_cards_cannot_describe_are_refused_by_field(config: dict, message: str) -> None:
+    with pytest.raises(ModelCardError, match=message):
+        render_model_card("trained", config=config)
+
+
+def test_transformers_format_card_snippets_load_with_plain_transformers_and_with_hfgpt(
+    tmp_path: Path,
+) -> None:
+    """The card of a GPT-1 double-heads model exported to transformers' own class, its snippets run as
+    written: the first where hfgpt cannot be imported, the second with hfgpt."""
+    import subprocess
+
+    from hfgpt.modeling import GPTDoubleHeadsModel
+    from hfgpt.modeling.interop import to_transformers
+
+    torch.manual_seed(0)
+    ours = GPTDoubleHeadsModel(
+        GPTConfig(**TINY, layer_norm_position="post", bos_token_id=None, eos_token_id=None)
+    )
+    to_transformers(ours).save_pretrained(tmp_path / "exported")
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    card = render_model_card("trained", config=config, repo_id=str(tmp_path / "exported"))
+    assert "| Architecture | OpenAIGPTDoubleHeadsModel (GPT-1 style, post-norm) |" in card.text
+    code = card.text.split("```python\n")[1].split("```")[0]
+    plain, with_hfgpt = code.split("# hfgpt reads")
+    script = "import sys\nsys.modules['hfgpt'] = None\n" + plain + "\nprint(type(model).__name__)\n"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "OpenAIGPTDoubleHeadsModel"
+    namespace: dict = {}
+    exec("# hfgpt reads" + with_hfgpt, namespace)  # noqa: S102 - the card's own snippet
+    assert type(namespace["model"]) is GPTDoubleHeadsModel
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(namespace["model"].state_dict()[name], tensor), name

@@ -781,3 +781,111 @@ def test_trainer_predict_gives_logits_first_for_multiple_choice(tmp_path):
     )
     predictions = Trainer(model=model, args=args).predict(Choices()).predictions
     assert predictions[0].shape == (3, 2, 5, VOCAB) and predictions[1].shape == (3, 2)
+
+
+# --- interop: every head transformers has, every OpenAIGPT activation, refused conversions ---------------
+
+
+@pytest.mark.parametrize("head", [GPTForTokenClassification, GPTForQuestionAnswering])
+def test_token_classification_and_question_answering_convert_both_ways(head):
+    from hfgpt.modeling.interop import ExportError
+
+    peer, ours = make_pair(head, "pre", classifier_dropout=0.3)
+    converted = from_transformers(peer)
+    assert type(converted) is head
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
+    exported = to_transformers(ours)
+    assert type(exported).__name__ == PEERS[head][0]
+    ids = random_ids()
+    with torch.no_grad():
+        expected, got = peer(ids), exported(ids)
+    for key in ("logits", "start_logits", "end_logits"):
+        if key in expected:
+            torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0)
+    if head is GPTForTokenClassification:  # transformers reads the same dropout before its classifier
+        assert exported.dropout.p == 0.3
+    # transformers has no OpenAIGPT token-classification or question-answering class.
+    post = head(GPTConfig(**TINY, layer_norm_position="post"))
+    with pytest.raises(ExportError, match=rf"no OpenAIGPT class equivalent to {head.__name__} .*'post'"):
+        to_transformers(post)
+
+
+# hfgpt activation -> OpenAIGPTConfig.afn computing the same function (modeling_openai.ACT_FNS).
+POST_NORM_ACTIVATIONS = {
+    "gelu_new": "gelu",
+    "gelu_pytorch_tanh": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "swish",
+}
+
+
+@pytest.mark.parametrize(("activation", "afn"), sorted(POST_NORM_ACTIVATIONS.items()))
+def test_post_norm_models_export_each_activation_openai_gpt_has(activation, afn):
+    from transformers.models.openai.modeling_openai import ACT_FNS
+
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(
+        GPTConfig(**TINY, layer_norm_position="post", activation_function=activation)
+    ).eval()
+    exported = to_transformers(ours).eval()
+    assert type(exported) is transformers.OpenAIGPTLMHeadModel and exported.config.afn == afn
+    assert type(exported.transformer.h[0].mlp.act) is type(ACT_FNS[afn])
+    ids = random_ids()
+    with torch.no_grad():
+        expected = exported(ids).logits
+        torch.testing.assert_close(ours(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        # Another activation gives other logits: the comparison above sees the activation.
+        other_activation = "silu" if activation == "relu" else "relu"
+        other = GPTForCausalLM(
+            GPTConfig(**{**ours.config.to_dict(), "activation_function": other_activation})
+        )
+        other.load_state_dict(ours.state_dict())
+        assert not torch.allclose(other.eval()(ids).logits, expected, atol=1e-4)
+    back = from_transformers(exported)
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_post_norm_exact_gelu_is_refused_naming_activation_function():
+    from hfgpt.modeling.interop import ExportError
+
+    ours = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position="post", activation_function="gelu"))
+    with pytest.raises(ExportError, match="activation_function='gelu' has no OpenAIGPT equivalent"):
+        to_transformers(ours)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("summary_type", ["last", "first", "mean"])
+def test_double_heads_pooling_transformers_computes_differently_is_refused(norm, summary_type):
+    """transformers' summary pools "last" / "first" / "mean" over the choices axis of its
+    (batch, choices, length, E) input; hfgpt's over each choice's tokens."""
+    from hfgpt.modeling.interop import ExportError
+
+    peer, ours = make_pair(GPTDoubleHeadsModel, norm, summary_type=summary_type)
+    ids = random_ids(2 * 3, 9).view(2, 3, 9)
+    with torch.no_grad():  # the reason: one logit per position (B, T) there, one per choice (B, C) here
+        assert peer(ids).mc_logits.shape == (2, 9) and ours(ids).mc_logits.shape == (2, 3)
+    refused = f"GPTDoubleHeadsModel with config.summary_type='{summary_type}'"
+    with pytest.raises(ExportError, match=refused):
+        to_transformers(ours)
+    with pytest.raises(ExportError, match=f"{type(peer).__name__} with config.summary_type='{summary_type}'"):
+        from_transformers(peer)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (dict(activation_function="gelu_fast"), "activation_function='gelu_fast', which hfgpt does not"),
+        (dict(activation_function="quick_gelu"), "activation_function='quick_gelu', which hfgpt does not"),
+        (dict(activation_function="tanh"), "activation_function='tanh', which hfgpt does not"),
+        (dict(add_cross_attention=True), "add_cross_attention=True; hfgpt has no cross-attention"),
+    ],
+)
+def test_gpt2_models_hfgpt_cannot_express_are_refused_naming_the_field(extra, message):
+    from hfgpt.modeling.interop import ExportError
+
+    peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY, **extra))
+    with pytest.raises(ExportError, match=f"GPT2LMHeadModel has config.{message}"):
+        from_transformers(peer)

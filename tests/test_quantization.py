@@ -1,10 +1,14 @@
 """Decoding copies (int8, bfloat16, float32 `DecodingLinear`): faithful, independent copies of the
 float32 model."""
 
+import copy
+
+import huggingface_hub.constants
 import pytest
 import torch
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.interop import ExportError, to_transformers
 from hfgpt.modeling.quantization import DecodingLinear, quantize_for_decoding
 
 
@@ -129,3 +133,28 @@ def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkey
             layer(x)
     assert len(calls) == 1
     assert layer(x).requires_grad and len(calls) == 1  # autograd: F.linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.qint8], ids=str)
+def test_decoding_copy_refuses_to_be_saved_pushed_or_exported(model, dtype, tmp_path, monkeypatch):
+    """A decoding copy's layers are `[out, in]` nn.Linear (or packed int8) under Conv1D's keys: written out,
+    float32 / bfloat16 reload wrongly (a square c_proj transposed) and int8 cannot be written at all."""
+    decoding = quantize_for_decoding(model, dtype)
+    refused = rf"a decoding copy made by quantize_for_decoding \({dtype}\).*save or export the float32 model"
+    with pytest.raises(ValueError, match="save_pretrained refused: this model is " + refused):
+        decoding.save_pretrained(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    # Refused before any network call: an unguarded push would fail on this endpoint with another error.
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="push_to_hub refused: this model is " + refused):
+        decoding.push_to_hub("someone/decoding-copy", token="hf_unused")
+    with pytest.raises(ExportError, match="to_transformers refused: this model is " + refused):
+        to_transformers(decoding)
+    with pytest.raises(ValueError, match="save_pretrained refused"):  # a copy of the copy stays refused
+        copy.deepcopy(decoding).save_pretrained(tmp_path / "copy")
+    # The float32 model it was made from still saves, and reloads with its own logits.
+    model.save_pretrained(tmp_path / "float32")
+    reloaded = GPTForCausalLM.from_pretrained(tmp_path / "float32").eval()
+    ids = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
