@@ -126,7 +126,9 @@ def to_transformers(model: GPTPreTrainedModel) -> PreTrainedModel:
     _check_summary_type(name, model.config.summary_type)
     config = to_transformers_config(model.config)
     target_cls = getattr(transformers, cls_name)
-    target = target_cls(config)
+    # In the model's dtype and device: load_state_dict copies into the target's tensors, so a float32
+    # target would silently turn a bfloat16 model into another model.
+    target = target_cls(config).to(device=model.device, dtype=model.dtype)
     renames = {new: old for old, new in OPENAI_GPT_RENAMES.items()} if post_norm else {}
     state = {_rename(k, renames): v.detach().clone() for k, v in model.state_dict().items()}
     result = target.load_state_dict(state, strict=False)

@@ -889,3 +889,14 @@ def test_gpt2_models_hfgpt_cannot_express_are_refused_naming_the_field(extra, me
     peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY, **extra))
     with pytest.raises(ExportError, match=f"GPT2LMHeadModel has config.{message}"):
         from_transformers(peer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_export_keeps_the_dtype(dtype):
+    _, ours = make_pair(GPTForCausalLM, "pre")
+    ours = ours.to(dtype)
+    exported = to_transformers(ours)
+    assert exported.dtype == dtype
+    theirs = exported.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(theirs[name], tensor), name  # the same bits, no round trip through float32
