@@ -43,6 +43,12 @@ EVERY_HEAD = {
 }
 
 
+def copy_of(checkpoint: Path, folder: Path) -> Path:
+    """A copy of a saved checkpoint to damage or extend in a test."""
+    shutil.copytree(checkpoint, folder)
+    return folder
+
+
 def client_env(hub: HubServer, home: Path, token: str | None = TOKEN) -> dict[str, str]:
     """The environment of a fresh client process pointed at the test Hub, with no saved login."""
     env = {
@@ -395,8 +401,7 @@ def test_push_interrupted_by_a_stopped_server_is_reported_and_a_retry_completes_
 
 
 def test_folder_without_weights_is_refused(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
-    folder = tmp_path / "no-weights"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "no-weights")
     (folder / "model.safetensors").unlink()
     with pytest.raises(PushError, match=r"no safetensors weights in .*no-weights"):
         collect_upload(folder)
@@ -408,8 +413,7 @@ def test_folder_without_weights_is_refused(tmp_path: Path, checkpoints: dict[str
 def test_missing_shard_tokenizer_or_generation_config_is_refused(
     tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    folder = tmp_path / "incomplete"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "incomplete")
     (folder / "model.safetensors").unlink()
     index = {"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -429,8 +433,7 @@ def test_missing_shard_tokenizer_or_generation_config_is_refused(
 def test_upload_completes_auto_map_adds_a_card_and_leaves_out_training_state(
     tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    folder = tmp_path / "trainer-checkpoint"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "trainer-checkpoint")
     for name in ("README.md", "modeling_hfgpt.py"):  # as a Trainer checkpoint of an older hfgpt
         (folder / name).unlink(missing_ok=True)
     config = json.loads((folder / "config.json").read_text())
@@ -505,8 +508,7 @@ def test_hub_protocol_answers(hub: HubServer, tmp_path: Path) -> None:
 def test_malformed_weights_index_is_refused_naming_the_index(
     tmp_path: Path, checkpoints: dict[str, Path], weight_map: object, message: str
 ) -> None:
-    folder = tmp_path / "sharded"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "sharded")
     (folder / "model.safetensors").rename(tmp_path / "model.safetensors")  # beside the folder, as ../
     (folder / "checkpoint-5").mkdir()
     shutil.copy(tmp_path / "model.safetensors", folder / "checkpoint-5" / "model.safetensors")
@@ -518,8 +520,7 @@ def test_malformed_weights_index_is_refused_naming_the_index(
 def test_shards_in_a_subfolder_are_uploaded_with_the_index(
     tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    folder = tmp_path / "subfolder-shards"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "subfolder-shards")
     (folder / "shards").mkdir()
     (folder / "model.safetensors").rename(folder / "shards" / "model-00001-of-00001.safetensors")
     index = {"weight_map": {"transformer.wte.weight": "./shards/model-00001-of-00001.safetensors"}}
@@ -536,8 +537,7 @@ def test_tokenizer_code_file_named_by_auto_map_is_added_or_refused(
     from hfgpt.tokenization import GPT1Tokenizer
 
     GPT1Tokenizer().save_pretrained(tmp_path / "reference")
-    folder = tmp_path / "gpt1-tokenizer"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "gpt1-tokenizer")
     for name in ("tokenizer.json", "vocab.json", "merges.txt"):
         (folder / name).unlink(missing_ok=True)
     GPT1Tokenizer().save_pretrained(folder)
@@ -558,8 +558,7 @@ def test_tokenizer_code_file_named_by_auto_map_is_added_or_refused(
 def test_config_the_model_card_cannot_describe_is_refused_naming_config_json(
     tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    folder = tmp_path / "architectures-string"
-    shutil.copytree(checkpoints["first"], folder)
+    folder = copy_of(checkpoints["first"], tmp_path / "architectures-string")
     (folder / "README.md").unlink()
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = "GPTForCausalLM"

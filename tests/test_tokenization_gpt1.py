@@ -182,12 +182,21 @@ def test_offsets_point_into_the_original_text(tokenizer: GPT1Tokenizer) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("abcXYZ019 .,!?-'\n")), max_size=60))
 def test_offsets_cover_each_piece(text: str) -> None:
+    for piece, span in _pieces_and_spans(text):
+        assert span.lower() == piece
+
+
+def _pieces_and_spans(text: str) -> list[tuple[str, str]]:
+    """Each BPE piece of `text` (without its word end) with the text its offsets point at; the ids of the
+    offsets path checked against the plain path's."""
     tokenizer, _ = _shared()
     encoded = tokenizer(text, return_offsets_mapping=True)
     assert encoded["input_ids"] == tokenizer(text)["input_ids"]
     pieces = tokenizer.convert_ids_to_tokens(encoded["input_ids"])
-    for piece, (start, end) in zip(pieces, encoded["offset_mapping"], strict=True):
-        assert text[start:end].lower() == piece.removesuffix("</w>")
+    return [
+        (piece.removesuffix("</w>"), text[start:end])
+        for piece, (start, end) in zip(pieces, encoded["offset_mapping"], strict=True)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -241,15 +250,11 @@ _FTFY_FRAGMENTS = [
 def test_offsets_after_ftfy_repairs_cover_each_piece(text: str) -> None:
     import ftfy
 
-    tokenizer, _ = _shared()
-    encoded = tokenizer(text, return_offsets_mapping=True)
-    assert encoded["input_ids"] == tokenizer(text)["input_ids"]
-    pieces = tokenizer.convert_ids_to_tokens(encoded["input_ids"])
-    for piece, (start, end) in zip(pieces, encoded["offset_mapping"], strict=True):
-        span, piece = text[start:end], piece.removesuffix("</w>")
+    unknown = _shared()[0].unk_token
+    for piece, span in _pieces_and_spans(text):
         if piece == "\n":
             assert span == "\n"
-        elif piece != tokenizer.unk_token:
+        elif piece != unknown:
             # The span, repaired and standardised on its own, gives the piece.
             assert piece in text_standardize(ftfy.fix_text(span)).lower()
         if piece and set(piece) <= set("ab"):
