@@ -49,7 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu", "swish")
 
 # transformers' OpenAIGPT names its tanh GELU "gelu" (modeling_openai.ACT_FNS maps it to gelu_new).
-_OPENAI_GPT_AFN = {"gelu": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu"}
+OPENAI_GPT_AFN = {"gelu": "gelu_new", "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 @strict(accept_kwargs=True)
@@ -193,10 +193,10 @@ def translate_transformers_config(config_dict: dict[str, Any]) -> dict[str, Any]
     out.pop("add_cross_attention", None)
     if model_type == "openai-gpt":
         afn = out.pop("afn", "gelu")
-        if afn not in _OPENAI_GPT_AFN:
+        if afn not in OPENAI_GPT_AFN:
             raise ValueError(f"openai-gpt config: unsupported afn {afn!r}")
         out.update(
-            activation_function=_OPENAI_GPT_AFN[afn],
+            activation_function=OPENAI_GPT_AFN[afn],
             layer_norm_position="post",
             scale_residual_init=False,
             bos_token_id=out.get("bos_token_id"),

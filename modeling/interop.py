@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from .configuration_hfgpt import ACTIVATIONS, GPTConfig
+from .configuration_hfgpt import ACTIVATIONS, OPENAI_GPT_AFN, GPTConfig
 from .modeling_hfgpt import (
     OPENAI_GPT_RENAMES,
     GPTDoubleHeadsModel,
@@ -177,10 +177,10 @@ def _check_peer_config(name: str, config: transformers.PretrainedConfig) -> None
             )
         if getattr(config, "add_cross_attention", False):
             raise ExportError(f"{name} has config.add_cross_attention=True; hfgpt has no cross-attention")
-    elif config.model_type == "openai-gpt" and config.afn not in _OPENAI_GPT_AFN_OF.values():
+    elif config.model_type == "openai-gpt" and config.afn not in OPENAI_GPT_AFN:  # what from_dict reads
         raise ExportError(
             f"{name} has config.afn={config.afn!r}, which hfgpt does not implement "
-            f"(OpenAIGPTConfig.afn: {', '.join(sorted(set(_OPENAI_GPT_AFN_OF.values())))})"
+            f"(OpenAIGPTConfig.afn: {', '.join(sorted(OPENAI_GPT_AFN))})"
         )
 
 

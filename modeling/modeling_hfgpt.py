@@ -530,8 +530,10 @@ class GPTModel(GPTPreTrainedModel):
         past_seen: int,
         position_ids: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        cache_batch: int | None = None,
     ) -> None:
-        """Clear errors for inputs that would otherwise fail deep inside torch (or silently wrap)."""
+        """Clear errors for inputs that would otherwise fail deep inside torch (or silently wrap).
+        `cache_batch`: the batch size a DynamicCache holding `past_seen` positions was filled for."""
         total = past_seen + seq_len
         if total > self.config.n_positions:
             raise ValueError(
@@ -562,6 +564,11 @@ class GPTModel(GPTPreTrainedModel):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, expected ({batch}, {total}) "
                 f"= (batch, cached + input length)"
+            )
+        if cache_batch not in (None, batch):
+            raise ValueError(
+                f"past_key_values holds {cache_batch} sequences, but the input has {batch}: pass the cache "
+                "of these sequences (or reorder/repeat it first)"
             )
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
@@ -605,14 +612,17 @@ class GPTModel(GPTPreTrainedModel):
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
         if values_readable(*checked):  # eager, real tensors
+            cache_batch = _cache_batch(past_key_values) if past_seen else None
             self._check_inputs(
-                input_ids, attention_mask, batch, seq_len, past_seen, position_ids, token_type_ids
+                input_ids,
+                attention_mask,
+                batch,
+                seq_len,
+                past_seen,
+                position_ids,
+                token_type_ids,
+                cache_batch,
             )
-            if past_seen and _cache_batch(past_key_values) not in (None, batch):
-                raise ValueError(
-                    f"past_key_values holds {_cache_batch(past_key_values)} sequences, but the input has "
-                    f"{batch}: pass the cache of these sequences (or reorder/repeat it first)"
-                )
 
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)

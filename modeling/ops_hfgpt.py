@@ -150,18 +150,21 @@ def onednn_runs_here(x: torch.Tensor) -> bool:
     return _cpu_products["onednn"] and eager_on_cpu(x) and torch._C._get_mkldnn_enabled()
 
 
+def _eager() -> bool:
+    """Outside a compiled graph and a TorchScript trace: Python runs each op as it comes."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+
+
 def eager_on_cpu(x: torch.Tensor) -> bool:
-    """A CPU tensor outside a compiled graph and a TorchScript trace, where hfgpt's own CPU products
-    (`onednn_runs_here`, `one_row_parts`) may run."""
-    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and x.device.type == "cpu"
+    """A CPU tensor, run eagerly, where hfgpt's own CPU products (`onednn_runs_here`, `one_row_parts`) may
+    run."""
+    return _eager() and x.device.type == "cpu"
 
 
 def values_readable(*tensors: torch.Tensor) -> bool:
-    """Whether the host may read these tensors' values (for input checks): not inside a compiled graph or
-    a TorchScript trace, not for meta or fake tensors (shape-only passes that estimate memory or FLOPs)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return not any(t.device.type == "meta" or is_fake(t) for t in tensors)
+    """Whether the host may read these tensors' values (for input checks): run eagerly, and not meta or
+    fake tensors (shape-only passes that estimate memory or FLOPs)."""
+    return _eager() and not any(t.device.type == "meta" or is_fake(t) for t in tensors)
 
 
 def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
