@@ -372,8 +372,7 @@ def build_model(
         if args.recipe == "gpt1" and args.task != "multiple_choice"
         else {}
     )
-    base = checkpoint_config(args)
-    if base is not None:
+    if args.model_name_or_path is not None:  # checked by finetune's checkpoint_config call
         model = model_class.from_pretrained(
             args.model_name_or_path,
             ignore_mismatched_sizes=args.ignore_mismatched_sizes,
