@@ -73,6 +73,9 @@ class GPTConfig(PretrainedConfig):
         scale_attn_by_inverse_layer_idx: additionally divide them by (layer_idx + 1).
         reorder_and_upcast_attn: compute scores and softmax in float32 under lower precision.
         summary_*: the sequence-summary head of `GPTDoubleHeadsModel` (as transformers' GPT2Config).
+        summary_dropout_shared: draw one `summary_first_dropout` mask per example and apply it to every
+            choice (GPT-1's train.py drops the pooled states of ROCStories' two endings with noise shape
+            [B, 1, E]); False draws one per choice, as transformers' GPT2DoubleHeadsModel does.
         classifier_dropout: dropout before the token-classification head.
         score_bias: give the sequence-classification projection a bias (GPT-1's `clf` has one).
         score_dropout: dropout on the pooled state before that projection (train.py's `clf_pdrop`, 0.1;
@@ -117,6 +120,7 @@ class GPTConfig(PretrainedConfig):
     summary_activation: str | None = None
     summary_proj_to_labels: bool = True
     summary_first_dropout: float | int = 0.1
+    summary_dropout_shared: bool = False
     classifier_dropout: float | int = 0.1
     score_bias: bool = False
     score_dropout: float | int = 0.0

@@ -286,6 +286,7 @@ class GPTSequenceSummary(nn.Module):
             ACT2FN[config.summary_activation] if config.summary_activation else nn.Identity()
         )
         self.first_dropout = nn.Dropout(config.summary_first_dropout)
+        self.dropout_shared = config.summary_dropout_shared
 
     def forward(self, hidden_states: torch.Tensor, cls_index: torch.Tensor | None = None) -> torch.Tensor:
         # hidden_states: (..., T, E); cls_index: (...) positions, default the last one.
@@ -301,6 +302,9 @@ class GPTSequenceSummary(nn.Module):
             else:
                 index = cls_index[..., None, None].expand(*cls_index.shape, 1, hidden_states.size(-1))
                 output = hidden_states.gather(-2, index).squeeze(-2)
+        if self.dropout_shared and self.training and output.dim() >= 3:  # (B, C, E): one mask for C choices
+            keep = self.first_dropout(output.new_ones(*output.shape[:-2], 1, output.shape[-1]))
+            return self.activation(self.summary(output * keep))
         return self.activation(self.summary(self.first_dropout(output)))
 
 

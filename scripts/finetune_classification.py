@@ -367,11 +367,15 @@ def build_model(
     # GPT-1's classifier (train.py `model` / `clf`): dropout `clf_pdrop` = 0.1 on the pooled state, then
     # `x @ w + b` with b initialised to 0; §4.1: "We add dropout to the classifier with a rate of 0.1".
     # Defaults of the recipe: --config_overrides may change them for a new model.
-    head = (
-        {"score_bias": True, "score_dropout": 0.1}
-        if args.recipe == "gpt1" and args.task != "multiple_choice"
-        else {}
-    )
+    # For multiple choice, train.py's dropout on the pooled states has noise shape [B, 1, E]: one mask for
+    # all the choices of an example (summary_first_dropout, 0.1 by default, is that rate).
+    head = {}
+    if args.recipe == "gpt1":
+        head = (
+            {"summary_dropout_shared": True}
+            if args.task == "multiple_choice"
+            else {"score_bias": True, "score_dropout": 0.1}
+        )
     if args.model_name_or_path is not None:  # checked by finetune's checkpoint_config call
         model = model_class.from_pretrained(
             args.model_name_or_path,

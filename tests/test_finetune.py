@@ -381,6 +381,8 @@ def test_finetune_multiple_choice_uses_double_heads(tmp_path, tokenizer_dir):
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
     model = GPTDoubleHeadsModel.from_pretrained(tmp_path / "out")
     assert model.config.lm_loss_weight == 0.5
+    # train.py drops the choices' pooled states with noise shape [B, 1, E]: one mask for all of them.
+    assert model.config.summary_dropout_shared and not model.config.score_bias
 
 
 def test_plain_recipe_regression_reports_pearson(tmp_path, tokenizer_dir):

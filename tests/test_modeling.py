@@ -31,6 +31,7 @@ from hfgpt.modeling import (
     GPTModel,
 )
 from hfgpt.modeling.interop import from_transformers, to_transformers
+from hfgpt.modeling.modeling_hfgpt import GPTSequenceSummary
 
 MODELING_DIR = Path(__file__).parent.parent / "modeling"
 
@@ -723,6 +724,21 @@ def test_score_dropout_acts_in_training_only():
     assert not torch.equal(dropped(ids).logits, dropped(ids).logits)
     dropped.eval()
     torch.testing.assert_close(dropped(ids).logits, plain.eval()(ids).logits)
+
+
+def test_summary_dropout_shared_draws_one_mask_for_all_choices():
+    # GPT-1's train.py: dropout on the (B, 2, E) pooled states with noise shape [B, 1, E].
+    settings = dict(TINY, summary_use_proj=False, summary_type="first", summary_first_dropout=0.5)
+    hidden = torch.ones(3, 4, 5, TINY["n_embd"])  # (B, C, T, E)
+    shared = GPTSequenceSummary(GPTConfig(**settings, summary_dropout_shared=True), num_outputs=1).train()
+    own = GPTSequenceSummary(GPTConfig(**settings), num_outputs=1).train()
+    torch.manual_seed(0)
+    kept, dropped = shared(hidden), own(hidden)
+    assert set(kept.unique().tolist()) == set(dropped.unique().tolist()) == {0.0, 2.0}
+    assert all(torch.equal(kept[:, c], kept[:, 0]) for c in range(4))
+    assert not torch.equal(kept[0], kept[1])  # examples still differ
+    assert not all(torch.equal(dropped[:, c], dropped[:, 0]) for c in range(4))
+    torch.testing.assert_close(shared.eval()(hidden), hidden[..., 0, :], rtol=0, atol=0)
 
 
 def test_shape_only_passes_on_meta_and_fake_tensors():
