@@ -462,6 +462,14 @@ class GPTPreTrainedModel(PreTrainedModel):
         difference: train.py's single matrix `we` also holds the position rows, so its softmax normalises
         over them too; here it runs over the vocabulary only, as every LM head in transformers does
         (targets are never positions)."""
+        if head_weight.is_meta and not hidden_states.is_meta:
+            # accelerate's offloading (device_map) keeps it there outside the module's own call; a product
+            # of real hidden states with it would not fail but return garbage.
+            raise ValueError(
+                "The auxiliary LM loss (config.lm_loss_weight > 0) multiplies by the LM head's weight (the "
+                "tied token embeddings), which is offloaded (on the meta device): load the model without "
+                "offloading transformer.wte (and lm_head), or set config.lm_loss_weight = 0."
+            )
         seq_len = input_ids.shape[-1]
         targets = input_ids.reshape(-1, seq_len)[:, 1:]
         if attention_mask is not None:

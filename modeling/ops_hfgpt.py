@@ -177,13 +177,16 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def has_forward_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run forward or forward-pre hooks (its own or global ones): a path that
-    computes its work without calling it must then step aside."""
+    """Whether calling `module` would run forward or forward-pre hooks (its own or global ones), or a
+    `forward` set on the instance (accelerate's hooks wrap it so: with `device_map` offloading, the weights
+    are on the meta device until that wrapper loads them): a path that computes its work without calling
+    it must then step aside."""
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
         or _global_forward_hooks
         or _global_forward_pre_hooks
+        or "forward" in module.__dict__
     )
 
 
@@ -741,8 +744,9 @@ def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dtype | None:
-    """`vocab_product_dtype` for a plain `nn.Linear` head without bias; None (`head(...)`) for others."""
-    if type(head) is not nn.Linear or head.bias is not None:
+    """`vocab_product_dtype` for a plain `nn.Linear` head without bias or hooks (`has_forward_hooks`);
+    None (`head(...)`) for others."""
+    if type(head) is not nn.Linear or head.bias is not None or has_forward_hooks(head):
         return None
     return vocab_product_dtype(hidden_states, head.weight)
 

@@ -384,6 +384,54 @@ def test_save_and_reload_through_auto_classes(tmp_path, auto, head):
     torch.testing.assert_close(b[key], a[key], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_offloaded_checkpoint_gives_the_values_of_one_in_memory(tmp_path, norm):
+    """device_map offloading (accelerate) keeps the weights on the meta device outside each module's own
+    call: the CPU fast paths that read weights without calling the module (the MLP's fused activation,
+    the LM head's product and loss) must step aside, as for any hooked module."""
+    ids = random_ids()
+    for head in (GPTModel, GPTForCausalLM, GPTDoubleHeadsModel):
+        _, ours = make_pair(head, norm)
+        ours.save_pretrained(tmp_path / head.__name__)
+        offloaded = head.from_pretrained(
+            tmp_path / head.__name__, device_map={"": "disk"}, offload_folder=tmp_path / "offload"
+        ).eval()
+        assert offloaded.base_model.h[0].mlp.c_fc.weight.is_meta
+        key = "last_hidden_state" if head is GPTModel else "logits"
+        labels = None if head is GPTModel else ids
+        with torch.no_grad():
+            expected, got = ours(ids, labels=labels), offloaded(ids, labels=labels)
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-6)
+        if labels is not None:
+            torch.testing.assert_close(got.loss, expected.loss, atol=1e-6, rtol=1e-6)
+    # GPT-1's auxiliary LM loss multiplies by the embedding matrix itself: refused while it is offloaded.
+    _, ours = make_pair(GPTForSequenceClassification, norm, pad_token_id=0, lm_loss_weight=0.5)
+    ours.save_pretrained(tmp_path / "clf")
+    offloaded = GPTForSequenceClassification.from_pretrained(
+        tmp_path / "clf", device_map={"": "disk"}, offload_folder=tmp_path / "offload_clf"
+    )
+    with pytest.raises(ValueError, match="lm_loss_weight.*offloaded"):
+        offloaded(ids, labels=torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_hooks_on_the_lm_head_run_as_in_transformers(norm):
+    """A forward hook on lm_head sees, and may replace, the logits in every path: prefill, a decoding
+    step, and the loss (computed from the hook's logits, as transformers does)."""
+    peer, ours = make_pair(GPTForCausalLM, norm)
+    calls = []
+    ours.lm_head.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    for model in (ours, peer):
+        model.lm_head.register_forward_hook(lambda module, args, output: output * 0.5 + 1.0)
+    for ids in (random_ids(2, 12), random_ids(1, 3)):  # more rows than a decoding step, and fewer
+        calls.clear()
+        with torch.no_grad():
+            expected, got = peer(ids, labels=ids), ours(ids, labels=ids)
+        assert calls == ["pre"]
+        torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
 REMOTE_CODE_SCRIPT = textwrap.dedent(
     """
     import sys, json, torch
