@@ -1,6 +1,6 @@
 """hfgpt's demo: train a small GPT-2-style model from scratch to sort digits, with nothing to download.
 
-    hfgpt-demo                       # ~2-3 minutes on 2 CPU cores
+    hfgpt-demo                       # under a minute on 2 CPU cores
     hfgpt-demo --output-dir /tmp/demo --steps 200   # a quicker, less accurate run
 
 Each example is `<s> 3 1 4 1 5 9 2 6 > 1 1 2 3 4 5 6 9 </s>` (one token per character): the model sees
@@ -62,7 +62,7 @@ def build_char_tokenizer(
 
 @dataclass
 class DemoSettings:
-    """Sizes tuned so the full run reaches >= 0.99 exact match in about 2-3 minutes on 2 CPU cores."""
+    """Sizes tuned so the full run reaches >= 0.99 exact match in under a minute on 2 CPU cores."""
 
     length: int = 8  # digits per sequence
     n_train: int = 20_000

@@ -59,6 +59,7 @@ from hfgpt.scripts.train_lm import (
     KEEP_FREED_MEMORY_FIELD,
     _check_file,
     _parse_overrides,
+    hub_repo_id,
     keep_freed_memory_on_cpu,
     load_local_files,
     load_tokenizer,
@@ -436,6 +437,7 @@ def finetune(
     if args.recipe == "plain" and args.task not in ("classification", "entailment"):
         raise FinetuneInputError(f"--recipe plain supports classification and entailment, not {args.task!r}")
     push, training_args.push_to_hub = training_args.push_to_hub, False
+    repo_id = hub_repo_id(training_args) if push else None
     set_seed(training_args.seed)
 
     columns = _columns(args)
@@ -512,8 +514,8 @@ def finetune(
         },
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
-    if push and trainer.is_world_process_zero():
-        metrics["commit_url"] = push_checkpoint(training_args)
+    if repo_id is not None and trainer.is_world_process_zero():
+        metrics["commit_url"] = push_checkpoint(training_args, repo_id)
     return metrics
 
 

@@ -29,7 +29,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-__all__ = ["PushError", "collect_upload", "main", "push_to_hub"]
+__all__ = ["PushError", "collect_upload", "in_token_namespace", "main", "push_to_hub"]
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -42,6 +42,7 @@ NOT_UPLOADED = (
     "scaler.pt",
     "rng_state*.pth",
     "training_args.bin",  # a pickle of TrainingArguments
+    "trainer_state.json",  # Trainer's step, log history and best checkpoint, for resuming
     "pytorch_model*.bin",  # pickle weights: the safetensors ones are uploaded instead
     "checkpoint-*",  # Trainer's intermediate checkpoints in its output_dir (Trainer's own push skips them)
     ".*",  # hidden files and folders (.git, .cache, editor files)
@@ -278,6 +279,35 @@ def _is_transport_error(err: BaseException) -> bool:
     return False
 
 
+def _token_user(api: HfApi, repo_id: str) -> str:
+    """The name of the user whose token `api` sends, checked with the Hub (pushing to `repo_id`)."""
+    where = api.endpoint
+    try:
+        return api.whoami()["name"]
+    except LocalTokenNotFoundError as err:
+        raise PushError(
+            f"no Hugging Face token found: pushing to {repo_id} needs a token with write access "
+            "(set HF_TOKEN or run `hf auth login`)"
+        ) from err
+    except HfHubHTTPError as err:
+        if err.response is not None and err.response.status_code == 401:
+            raise PushError(f"the Hub at {where} refused the token: {str(err).splitlines()[0]}") from err
+        raise PushError(f"could not check the token with the Hub at {where}: {err}") from err
+    except Exception as err:
+        if _is_transport_error(err):
+            raise PushError(f"cannot reach the Hub at {where}: {err}") from err
+        raise
+
+
+def in_token_namespace(name: str, token: str | None = None, *, endpoint: str | None = None) -> str:
+    """`name` as a repo id: unchanged if it names a namespace, else under the token's user, as Trainer
+    and `HfApi.create_repo` place a bare name (TrainingArguments' hub_model_id defaults to
+    user_name/output_dir_name)."""
+    if "/" in name:
+        return name
+    return f"{_token_user(HfApi(endpoint=endpoint, token=token), name)}/{name}"
+
+
 def push_to_hub(
     model_dir: str | Path,
     repo_id: str,
@@ -312,22 +342,7 @@ def push_to_hub(
         raise PushError(f"--revision {revision} is a commit id; commits go to a branch, give a branch name")
     api = HfApi(endpoint=endpoint, token=token)
     where = api.endpoint
-    try:
-        user = api.whoami()["name"]
-    except LocalTokenNotFoundError as err:
-        raise PushError(
-            f"no Hugging Face token found: pushing to {repo_id} needs a token with write access "
-            "(set HF_TOKEN or run `hf auth login`)"
-        ) from err
-    except HfHubHTTPError as err:
-        if err.response is not None and err.response.status_code == 401:
-            raise PushError(f"the Hub at {where} refused the token: {str(err).splitlines()[0]}") from err
-        raise PushError(f"could not check the token with the Hub at {where}: {err}") from err
-    except Exception as err:
-        if _is_transport_error(err):
-            raise PushError(f"cannot reach the Hub at {where}: {err}") from err
-        raise
-
+    user = _token_user(api, repo_id)
     message = commit_message or f"Upload {Path(model_dir).resolve().name} with hfgpt"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -343,12 +343,26 @@ def save_complete_checkpoint(
     trainer.accelerator.wait_for_everyone()
 
 
-def push_checkpoint(training_args: TrainingArguments) -> str:
-    """Upload the finished checkpoint in `output_dir` with hfgpt-push (`--push_to_hub`, `--hub_model_id`,
-    `--hub_token`, `--hub_private_repo` as in Trainer). Imported lazily: only pushes need it."""
+def hub_repo_id(training_args: TrainingArguments) -> str:
+    """The repo `--push_to_hub` uploads to, resolved and checked before any work: as Trainer, `--hub_model_id`
+    defaulting to the output folder's name, and a name without a namespace under the token's user (which asks
+    the Hub whose token it is, so a missing or refused token fails here too, not after training)."""
+    from hfgpt.scripts.push_to_hub import PushError, check_repo_id, in_token_namespace
+
+    name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+    try:
+        repo_id = in_token_namespace(name, training_args.hub_token)
+        check_repo_id(repo_id)
+    except PushError as err:
+        raise TrainingInputError(f"--push_to_hub: {err}") from err
+    return repo_id
+
+
+def push_checkpoint(training_args: TrainingArguments, repo_id: str) -> str:
+    """Upload the finished checkpoint in `output_dir` to `repo_id` (`hub_repo_id`) with hfgpt-push
+    (`--hub_token`, `--hub_private_repo` as in Trainer). Imported lazily: only pushes need it."""
     from hfgpt.scripts.push_to_hub import PushError, push_to_hub
 
-    repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
     try:
         info = push_to_hub(
             training_args.output_dir,
@@ -373,6 +387,7 @@ def train_lm(
     Returns the metrics (train_loss, eval_loss, perplexity, ...)."""
     # Push with hfgpt's own uploader after the checkpoint is complete, not Trainer's per-save pushes.
     push, training_args.push_to_hub = training_args.push_to_hub, False
+    repo_id = hub_repo_id(training_args) if push else None
     set_seed(training_args.seed)
 
     if model_args.tokenizer_name:
@@ -424,8 +439,8 @@ def train_lm(
         },
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
-    if push and trainer.is_world_process_zero():
-        metrics["commit_url"] = push_checkpoint(training_args)
+    if repo_id is not None and trainer.is_world_process_zero():
+        metrics["commit_url"] = push_checkpoint(training_args, repo_id)
     return metrics
 
 

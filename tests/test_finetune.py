@@ -341,6 +341,18 @@ def test_paper_defaults_are_the_parser_defaults():
     assert FinetuneArguments().lm_loss_weight == 0.5
 
 
+def test_finetune_push_problems_stop_before_training(tmp_path, tokenizer_dir):
+    """A repo id the Hub would refuse is an input error before the model is built or trained."""
+    data = _write_pairs(tmp_path / "train.csv", 8)
+    args, training_args = _run(
+        tmp_path, tokenizer_dir, "--task", "entailment", "--text_columns", "premise,hypothesis",
+        "--train_file", str(data), "--push_to_hub", "true", "--hub_model_id", "me/not a name",
+    )  # fmt: skip
+    with pytest.raises(TrainingInputError, match="not a valid repo id"):
+        finetune(args, training_args)
+    assert not (tmp_path / "out").exists()
+
+
 def test_finetune_entailment_reports_metrics_and_saves_a_loadable_checkpoint(tmp_path, tokenizer_dir):
     data = _write_pairs(tmp_path / "train.csv", 24)
     args, training_args = _run(

@@ -456,6 +456,18 @@ def test_upload_completes_auto_map_adds_a_card_and_leaves_out_training_state(
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before  # folder untouched
 
 
+def test_trainer_state_of_a_checkpoint_folder_stays_behind(
+    tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    """A Trainer `checkpoint-N` folder holds the model and Trainer's state; only the model is uploaded."""
+    folder = copy_of(checkpoints["first"], tmp_path / "checkpoint-4")
+    state = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "trainer_state.json"}
+    for name in state:
+        (folder / name).write_bytes(b"{}")
+    uploaded = {op.path_in_repo for op in collect_upload(folder, "me/run")}
+    assert "model.safetensors" in uploaded and not uploaded & state
+
+
 def test_console_entry_point_is_installed() -> None:
     script = Path(sys.executable).parent / "hfgpt-push"
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)

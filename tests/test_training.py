@@ -331,6 +331,51 @@ def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypat
     assert not any(name.startswith("checkpoint-") for name in files)
 
 
+def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_path, corpus, monkeypatch):
+    """As with Trainer, `--push_to_hub` alone pushes to `<token's user>/<output_dir's name>` (TrainingArguments:
+    hub_model_id "will default to user_name/output_dir_name"); a name without a namespace was refused after
+    training."""
+    import huggingface_hub
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import DEFAULT_TOKENS, HubServer
+
+    token = next(iter(DEFAULT_TOKENS))
+    with HubServer(tmp_path / "hub") as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        argv = _argv(corpus, tmp_path / "my-run", "--max_steps", "1", "--eval_strategy", "no")
+        argv += ["--push_to_hub", "true", "--hub_token", token]
+        metrics = train_lm(*_parse(argv))
+        repo_id = f"{DEFAULT_TOKENS[token]}/my-run"
+        assert repo_id in metrics["commit_url"]
+        files = huggingface_hub.HfApi(endpoint=hub.url, token=token).list_repo_files(repo_id)
+    assert {"config.json", "model.safetensors"} <= set(files)
+
+
+@pytest.mark.parametrize(
+    ("hub_args", "message"),
+    [
+        (["--hub_model_id", "me/not a name"], "not a valid repo id"),
+        (["--hub_token", "hf_refused"], "refused the token"),  # a bare name asks the Hub whose token it is
+    ],
+)
+def test_push_to_hub_problems_stop_before_training(tmp_path, corpus, monkeypatch, hub_args, message):
+    """A repo id the Hub would refuse, or a token it refuses, is an input error before any training step,
+    not after the whole run."""
+    import huggingface_hub
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import HubServer
+
+    with HubServer(tmp_path / "hub") as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        argv = _argv(corpus, tmp_path / "run", "--max_steps", "1", "--eval_strategy", "no")
+        with pytest.raises(TrainingInputError, match=message):
+            train_lm(*_parse([*argv, "--push_to_hub", "true", *hub_args]))
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+
+
 def test_dataset_name_loads_through_datasets(tmp_path, corpus):
     """--dataset_name goes to `datasets.load_dataset`; a local dataset folder stands in for a Hub id (the
     same call, no network), and its own validation split is used instead of a held-out share."""
