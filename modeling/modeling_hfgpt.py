@@ -56,6 +56,7 @@ from .ops_hfgpt import (
     dropout,
     fast_dropout_applies,
     gelu_tanh,
+    has_backward_hooks,
     has_forward_hooks,
     inference_autocast_dtype,
     lm_logits_and_loss,
@@ -440,6 +441,7 @@ class GPTPreTrainedModel(PreTrainedModel):
             or not head_weight.requires_grad
             or vocab_product_dtype(head_weight, head_weight) is None
             or has_forward_hooks(wte)
+            or has_backward_hooks(wte)
             or (wte.padding_idx, wte.max_norm, wte.scale_grad_by_freq, wte.sparse)
             != (None, None, False, False)
         ):

@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.autograd import forward_ad
+from torch.nn.modules.module import (
+    _global_backward_hooks,
+    _global_backward_pre_hooks,
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+)
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -151,8 +157,18 @@ def onednn_runs_here(x: torch.Tensor) -> bool:
 
 
 def _eager() -> bool:
-    """Outside a compiled graph and a TorchScript trace: Python runs each op as it comes."""
-    return not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+    """Outside a compiled graph and a TorchScript trace: Python runs each op as it comes; and outside
+    the transforms that this file's autograd Functions and oneDNN's op cannot run under (`_transformed`)."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not _transformed()
+
+
+def _transformed() -> bool:
+    """Inside a torch.func transform (`grad`, `vmap`, `jvp`, `functional_call` under them, ...) or a
+    forward-mode AD level (`torch.autograd.forward_ad.dual_level`): this file's autograd Functions define
+    neither the `setup_context` those transforms require nor a `jvp`, and oneDNN's linear op has no
+    forward derivative or batching rule, so their paths step aside there for torch's own ops (which
+    transformers' models run)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def eager_on_cpu(x: torch.Tensor) -> bool:
@@ -190,6 +206,19 @@ def has_forward_hooks(module: nn.Module) -> bool:
     )
 
 
+def has_backward_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would attach backward or backward-pre hooks (`register_full_backward_hook`
+    and the like, its own or global ones) to the gradients of its inputs and outputs: a path that
+    computes its work without calling it must then step aside, as for `has_forward_hooks`, or the hooks
+    never run."""
+    return bool(
+        module._backward_hooks
+        or module._backward_pre_hooks
+        or _global_backward_hooks
+        or _global_backward_pre_hooks
+    )
+
+
 def onednn_mm(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -199,7 +228,10 @@ def onednn_mm(
     """`x @ weight_t.T + bias` for a 2-D `x` `[N, in]` and `weight_t` `[out, in]` (any strides), by oneDNN,
     then `post_op` (oneDNN's name and algorithm of an element-wise function applied as each output block is
     written: `ONEDNN_ACTIVATIONS`); no gradient (the op has no derivative: `_OneDNNConv1D` and the head's
-    functions call it)."""
+    functions call it). The op reads `bias` as contiguous whatever its strides (a strided view gave other
+    elements' values, an expanded one memory past its end), so a bias that is not is copied first."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     return _ONEDNN_LINEAR(x, weight_t, bias, post_op[0], [], post_op[1])
 
 
@@ -265,7 +297,13 @@ def masked_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Ten
 
 def fast_dropout_applies(x: torch.Tensor, p: float, training: bool) -> bool:
     # CUDA's fused dropout is already fast; compiled graphs fuse F.dropout themselves.
-    return training and 0.0 < p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return (
+        training
+        and 0.0 < p < 1.0
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not _transformed()
+    )
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -653,6 +691,7 @@ def vocab_product_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dty
         weight.device.type == "cpu"
         and weight.dtype == hidden.dtype == torch.float32
         and not torch.compiler.is_compiling()
+        and not _transformed()
     ):
         return None
     if not torch.is_autocast_enabled("cpu"):
@@ -744,9 +783,14 @@ def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dtype | None:
-    """`vocab_product_dtype` for a plain `nn.Linear` head without bias or hooks (`has_forward_hooks`);
-    None (`head(...)`) for others."""
-    if type(head) is not nn.Linear or head.bias is not None or has_forward_hooks(head):
+    """`vocab_product_dtype` for a plain `nn.Linear` head without bias or hooks (`has_forward_hooks`,
+    `has_backward_hooks`); None (`head(...)`) for others."""
+    if (
+        type(head) is not nn.Linear
+        or head.bias is not None
+        or has_forward_hooks(head)
+        or has_backward_hooks(head)
+    ):
         return None
     return vocab_product_dtype(hidden_states, head.weight)
 
@@ -872,7 +916,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     The products run in `dtype` (`vocab_product_dtype`): float32, or bfloat16 under CPU autocast, as
     autocast would run `F.linear` — bfloat16 logits, the softmax, loss and gradient sums in float32, and
     float32 gradients for the float32 inputs. The weight is cast a block at a time (`weight_blocks`), so
-    no whole low-precision copy of the head is made or saved.
+    no whole low-precision copy of the head is made or saved. A backward that builds a graph
+    (`create_graph=True`: second derivatives, `torch.autograd.functional.jvp` / `hvp`) recomputes the
+    head and loss with autograd's ops instead (`_differentiable_head_grads`).
     """
 
     @staticmethod
@@ -887,19 +933,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         tied: TiedHeadGradient | None = None,  # where `weight` is also the token embeddings'
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # no N x V of zeros when the logits get no gradient
-        ctx.tied = tied
-        hidden = hidden.to(dtype)  # no copy when dtype is float32
+        ctx.tied, ctx.dtype = tied, dtype
+        source, hidden = hidden, hidden.to(dtype)  # no copy when dtype is float32
         logits = row_aligned_mm(hidden, weight)  # (N, V); a float32 weight cast a block at a time
         lse = log_sum_exp(logits)
         picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor)
+        ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor, source)
         return logits, ((lse - picked) * row_weights).sum() / divisor
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor
+        ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
-        hidden, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
+        hidden, weight, logits, targets, row_weights, lse, divisor, source = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
+            return _differentiable_head_grads(
+                ctx, source, weight, targets, row_weights, divisor, grad_logits, grad_loss
+            )
+        if grad_loss is None:  # only the logits were used (the loss got no gradient)
+            grad_loss = lse.new_zeros(())
         rows, vocab = logits.shape
         scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
         float32 = hidden.dtype == torch.float32
@@ -939,6 +991,39 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.tied.hand_over(grad_weight)  # the embedding's backward adds its part and returns the sum
             grad_weight = None
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _differentiable_head_grads(
+    ctx: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    divisor: torch.Tensor,
+    grad_logits: torch.Tensor | None,
+    grad_loss: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`_LinearCrossEntropy`'s gradients for a backward with `create_graph=True`, written out with
+    autograd's ops on the inputs (the logits in `ctx.dtype`, as autocast's `F.linear`), so that gradients
+    of these gradients are taken through them: d loss / d logits = (softmax - onehot) x each row's scale,
+    plus any gradient reaching the logits, then its two products. Not `torch.autograd.grad` through a
+    recomputed loss: where the weight is the tied embeddings', the hidden states depend on it too, and
+    that would count the embeddings' part twice. The head's gradient is returned, not handed to the
+    tied embeddings, whose backward then computes its own."""
+    with torch.enable_grad():
+        low_hidden, low_weight = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        logits = F.linear(low_hidden, low_weight)
+        grad = logits.new_zeros(logits.shape, dtype=torch.float32)
+        if grad_loss is not None:
+            scale = (row_weights * (grad_loss / divisor))[:, None]
+            onehot = torch.zeros_like(grad).scatter(1, targets[:, None], scale)
+            grad = torch.softmax(logits.float(), dim=-1) * scale - onehot
+        if grad_logits is not None:
+            grad = grad + grad_logits
+        grad = grad.to(ctx.dtype)
+        grad_hidden = (grad @ low_weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ low_hidden).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def lm_logits_and_loss(

@@ -65,6 +65,33 @@ def test_conv1d_second_derivatives_equal_transformers_conv1d(cpu_products):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bias_view", ["strided", "expanded"])
+def test_conv1d_with_a_bias_that_is_not_contiguous_equals_transformers_conv1d(bias_view, onednn_calls):
+    """oneDNN's op reads the bias as contiguous: a strided bias (a parametrization's view, or one sliced
+    from a larger tensor) gave other elements' values, an expanded one memory past its end. It is copied
+    first: values and gradients are Conv1D's, in the product, with autograd and with the fused GELU."""
+    ours, theirs = conv1d_pair()
+    bias = theirs.bias.detach()
+    if bias_view == "strided":
+        ours.bias = torch.nn.Parameter(torch.stack([bias, torch.full_like(bias, 1e3)], 1)[:, 0])
+    else:
+        bias = bias[:1].expand(48)
+        ours.bias, theirs.bias = torch.nn.Parameter(bias), torch.nn.Parameter(bias.contiguous())
+    assert not ours.bias.is_contiguous()
+    x = torch.randn(3, 40, 32, requires_grad=True)
+    got, expected = ours(x), theirs(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+        gelu = ops_hfgpt.gelu_tanh
+        torch.testing.assert_close(ours.activated(x, gelu), gelu(expected), atol=1e-5, rtol=1e-5)
+    assert len(onednn_calls) == 5  # all on oneDNN: forward, the two of backward, without autograd, fused
+
+
 def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(onednn_calls):
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY))

@@ -327,6 +327,26 @@ def test_lm_logits_and_loss_take_shift_labels():
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_lm_logits_and_loss_back_propagate_through_the_logits_alone(autocast, cpu_products):
+    """With labels given, a backward through the logits alone (a distillation loss on them, the LM loss
+    unused): the loss gets no gradient, and the gradients are F.linear's (it raised a TypeError)."""
+    torch.manual_seed(0)
+    hidden, labels = torch.randn(3, 9, 32), torch.randint(0, 500, (3, 9))
+    weight = torch.randn(500, 32)
+    grads = []
+    for fused in (True, False):
+        h, head = hidden.clone().requires_grad_(True), torch.nn.Linear(32, 500, bias=False)
+        head.weight = torch.nn.Parameter(weight.clone())
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            logits = lm_logits_and_loss(h, head, labels, vocab_size=500)[0] if fused else head(h)
+        upstream = torch.linspace(-1, 1, logits.numel()).view(logits.shape)
+        (logits.float() * upstream).sum().backward()
+        grads.append((h.grad, head.weight.grad))
+    for got, expected in zip(*grads, strict=True):
+        assert relative_error(got, expected) < (1e-6 if autocast is None else 1e-2)
+
+
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -901,3 +921,105 @@ def test_training_forward_names_token_ids_outside_the_vocabulary():
     ids = torch.tensor([[1, 2, 96]])
     with pytest.raises(ValueError, match=r"token id 96, outside the vocabulary \[0, 96\)"):
         model(ids, labels=ids)
+
+
+def peer_pair(layer_norm_position: str, attn: str = "sdpa") -> tuple[GPTForCausalLM, torch.nn.Module]:
+    """A dropout-free model (random layer norms and biases, so that no term vanishes) and transformers'
+    GPT2LMHeadModel / OpenAIGPTLMHeadModel on its weights, both running `attn`."""
+    torch.manual_seed(0)
+    config = no_drop_config(layer_norm_position)
+    config._attn_implementation = attn
+    ours = GPTForCausalLM(config)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                param.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.1)
+    peer = to_transformers(ours)
+    if layer_norm_position == "pre":
+        peer.set_attn_implementation(attn)
+    return ours, peer
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+@pytest.mark.parametrize("inputs", ["input_ids", "inputs_embeds"])
+def test_lm_loss_second_derivatives_equal_transformers(layer_norm_position, inputs, cpu_products):
+    """A backward with create_graph=True through the fused LM loss (a gradient penalty; also what
+    `torch.autograd.functional.hvp` / `jvp` run) recomputes the head with autograd's ops: gradients and
+    second derivatives are transformers' (eager attention: its CPU sdpa kernel has no double backward).
+    With input_ids the head is tied to the embeddings, whose part must be counted once. It raised
+    "sub(): functions with out=... arguments don't support automatic differentiation"."""
+    ours, peer = peer_pair(layer_norm_position, attn="eager")
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (ours, peer):
+        wte = model.get_input_embeddings()
+        if inputs == "input_ids":
+            loss = model(ids, labels=ids).loss
+            wrt = (wte.weight, model.transformer.h[0].attn.c_attn.weight)
+        else:
+            embeds = wte(ids).detach().requires_grad_(True)
+            loss = model(inputs_embeds=embeds, labels=ids).loss
+            wrt = (embeds, wte.weight)
+        first = torch.autograd.grad(loss, wrt, create_graph=True)
+        second = torch.autograd.grad(sum(g.square().sum() for g in first), wrt)
+        results.append((*first, *second))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_torch_func_transforms_and_forward_ad_take_the_plain_ops(layer_norm_position, cpu_products):
+    """torch.func's grad, vmap and jvp, and forward-mode AD, over a forward: hfgpt's autograd Functions
+    (no `setup_context`, no `jvp`) and oneDNN's op (no forward derivative) step aside for torch's ops, and
+    the values are transformers' (each raised in hfgpt before). Eager attention for jvp: transformers'
+    CPU sdpa kernel has no forward derivative."""
+    ours, peer = peer_pair(layer_norm_position, attn="eager")
+    ours.eval(), peer.eval()
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+    tangent = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(2))
+
+    def transformed(model):
+        embeds = model.get_input_embeddings()(ids).detach()
+        loss_grad = torch.func.grad(lambda e: model(inputs_embeds=e, labels=ids).loss)(embeds)
+        logits = torch.func.vmap(lambda e: model(inputs_embeds=e[None]).logits[0])(embeds)
+        _, logits_jvp = torch.func.jvp(lambda e: model(inputs_embeds=e).logits, (embeds,), (tangent,))
+        with torch.autograd.forward_ad.dual_level(), torch.no_grad():
+            dual = torch.autograd.forward_ad.make_dual(embeds, tangent)
+            loss = model(inputs_embeds=dual, labels=ids).loss
+            loss_jvp = torch.autograd.forward_ad.unpack_dual(loss).tangent
+        return loss_grad, logits, logits_jvp, loss_jvp
+
+    for got, expected in zip(transformed(ours), transformed(peer), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert not ops_hfgpt._transformed()  # outside them, the fast paths are back
+    assert ops_hfgpt.vocab_product_dtype(tangent, tangent) == torch.float32
+
+
+def record_backward_hooks(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The output gradients the backward hooks on lm_head and the token embeddings see, recorded."""
+    calls = []
+    model.lm_head.register_full_backward_hook(lambda m, gi, go: calls.append(("head", go[0].clone())))
+    model.lm_head.register_full_backward_pre_hook(lambda m, go: calls.append(("head-pre", go[0].clone())))
+    model.get_input_embeddings().register_full_backward_hook(
+        lambda m, gi, go: calls.append(("wte", go[0].clone()))
+    )
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the embeddings' inputs are token ids
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_backward_hooks_on_the_lm_head_and_embeddings_run_as_in_transformers(layer_norm_position):
+    """A full backward hook (or backward pre-hook) on lm_head or the token embeddings runs, with the
+    gradients transformers' gives it, in every path that computes the head or the embeddings without
+    calling the module (the fused loss with the tied gradient, the head alone): those step aside."""
+    ours, peer = peer_pair(layer_norm_position)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for model in (ours, peer):
+        seen.append(record_backward_hooks(model))
+        model(ids, labels=ids).loss.backward()
+        model(ids).logits.square().mean().backward()
+    assert [name for name, _ in seen[0]] == [name for name, _ in seen[1]]
+    assert [name for name, _ in seen[0]] == ["head-pre", "head", "wte"] * 2
+    for (_, got), (_, expected) in zip(*seen, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
