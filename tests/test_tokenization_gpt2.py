@@ -164,3 +164,58 @@ def test_save_writes_transformers_and_original_files(tmp_path: Path, tokenizer: 
     assert from_original(text)["input_ids"] == tokenizer(text)["input_ids"]
     reloaded = GPT2Tokenizer.from_pretrained(tmp_path, padding_side="left")
     assert reloaded.padding_side == "left" and reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_lone_surrogate_is_a_unicode_encode_error_as_in_openai_encoder(tokenizer: GPT2Tokenizer) -> None:
+    # OpenAI's encoder.py encodes each piece with str.encode("utf-8"), which refuses a lone surrogate; the
+    # `tokenizers` backend refuses it with a TypeError about its input types.
+    for args in (("a\ud800b",), (["fine", "\udfff"],), ("fine", "pair \ud800"), ([["word", "\ud800"]],)):
+        split = isinstance(args[0], list) and isinstance(args[0][0], list)
+        with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):
+            tokenizer(*args, is_split_into_words=split)
+    with pytest.raises(UnicodeEncodeError):
+        tokenizer.tokenize("\ud800")
+    assert tokenizer(["fine", "text"])["input_ids"] == [[38125], [5239]]
+
+
+def test_decode_refuses_ids_outside_the_vocabulary(tokenizer: GPT2Tokenizer) -> None:
+    # encoder.py's decode raises (KeyError) on an unknown id; the backend would drop ids past the vocabulary
+    # silently and overflow on negative ones (the -100 of labels) with a message about integer types.
+    for ids in ([50257], [15496, 50300, 995], [-100, 15496], [2**40]):
+        with pytest.raises(ValueError, match="cannot decode token ids"):
+            tokenizer.decode(ids)
+    with pytest.raises(ValueError, match="-100"):
+        tokenizer.batch_decode([[15496], [15496, -100]])
+    # In range: partial UTF-8 bytes become U+FFFD, as encoder.py's errors="replace".
+    assert tokenizer.decode([15496, 171, 50256]) == "Hello\ufffd<|endoftext|>"
+    assert tokenizer.decode(50256) == "<|endoftext|>" and tokenizer.decode([]) == ""
+    tokenizer_with_pad = GPT2Tokenizer()
+    tokenizer_with_pad.add_special_tokens({"pad_token": "<pad>"})
+    assert tokenizer_with_pad.decode([15496, 50257]) == "Hello<pad>"
+
+
+def test_vocabulary_arguments(tmp_path: Path, tokenizer: GPT2Tokenizer) -> None:
+    from transformers import GPT2Tokenizer as TransformersGPT2Tokenizer
+
+    # A vocabulary other than the shipped one: the released vocab with only the first 2000 merges.
+    released = (FIXTURE / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:-1]
+    (tmp_path / "vocab.json").write_text(
+        (FIXTURE / "encoder.json").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in released[:2000]))
+    text = "Tokenization of uncommon vocabulary"
+    expected = TransformersGPT2Tokenizer.from_pretrained(tmp_path)(text)["input_ids"]
+    assert expected != tokenizer(text)["input_ids"]
+    # transformers' file argument names are used, not replaced by the shipped files.
+    by_files = GPT2Tokenizer(
+        vocab_file=str(tmp_path / "vocab.json"), merges_file=str(tmp_path / "merges.txt")
+    )
+    assert by_files(text)["input_ids"] == expected
+    # Merges in memory as the lines of the file ("left right"), as the docstring says.
+    vocab = json.loads((FIXTURE / "encoder.json").read_text(encoding="utf-8"))
+    assert GPT2Tokenizer(vocab=vocab, merges=released[:2000])(text)["input_ids"] == expected
+    # One without the other would tokenize byte by byte without a word: refused.
+    with pytest.raises(ValueError, match="both `vocab` and `merges`"):
+        GPT2Tokenizer(vocab=vocab)
+    with pytest.raises(ValueError, match="both `vocab` and `merges`"):
+        GPT2Tokenizer(merges=str(tmp_path / "merges.txt"))
