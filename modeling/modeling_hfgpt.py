@@ -549,7 +549,11 @@ class GPTModel(GPTPreTrainedModel):
         """Clear errors for inputs that would otherwise fail deep inside torch (or silently wrap).
         `cache_batch`: the batch size a DynamicCache holding `past_seen` positions was filled for."""
         total = past_seen + seq_len
-        if total > self.config.n_positions:
+        # Past the context, explicit position_ids may still lie inside it: left padding takes columns, not
+        # positions (generate() numbers a padded row's tokens from its first real one). They are then
+        # checked below whatever the device; without them the positions would run up to `total - 1`.
+        beyond_context = total > self.config.n_positions
+        if beyond_context and position_ids is None:
             raise ValueError(
                 f"Sequence length {total} (input {seq_len} + cached {past_seen}) exceeds the model's "
                 f"context of {self.config.n_positions} positions (config.n_positions)."
@@ -560,7 +564,11 @@ class GPTModel(GPTPreTrainedModel):
             self.check_input_ids(input_ids)
         context, vocab = self.config.n_positions, self.wte.num_embeddings
         for ids, size, message in (
-            (position_ids, context, f"position_ids contains {{bad}}, outside the context [0, {context})"),
+            (
+                position_ids,
+                context,
+                f"position_ids contains {{bad}}, outside the context [0, {context}) (config.n_positions)",
+            ),
             (
                 token_type_ids,
                 vocab,
@@ -568,7 +576,9 @@ class GPTModel(GPTPreTrainedModel):
                 "token embeddings",
             ),
         ):
-            if ids is not None and (past_seen == 0 or ids.device.type == "cpu"):
+            if ids is not None and (
+                past_seen == 0 or ids.device.type == "cpu" or (ids is position_ids and beyond_context)
+            ):
                 _check_index_range(ids, size, message)
         if (
             attention_mask is not None

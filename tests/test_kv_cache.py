@@ -2,6 +2,8 @@
 positions instead of `torch.cat`, with the same keys and values as `DynamicCache.update` through everything
 transformers does to a cache (cropping, beam reordering, batch selection, reset)."""
 
+import copy
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -124,3 +126,66 @@ def test_a_compiled_graph_appends_through_the_cache_update(monkeypatch):
     append_to_cache(cache, *states(1, 2, 0), 0)
     monkeypatch.undo()
     assert calls == [0]
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_a_left_padded_batch_generates_past_n_positions_columns_while_its_positions_fit(layer_norm_position):
+    """Left padding takes columns, not positions: a batch whose every row is padded runs past n_positions
+    columns as long as no row's positions reach it, as transformers' GPT2LMHeadModel does (GPT-1's
+    reference: hfgpt without a cache); the next token would need position n_positions and is refused
+    naming it."""
+    torch.manual_seed(0)
+    config = GPTConfig(**{**TINY, "n_positions": 32}, layer_norm_position=layer_norm_position)
+    ours = GPTForCausalLM(config).eval()
+    ids = torch.randint(1, 96, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the longest prompt: 7 tokens in 10 columns
+    mask[1, :6] = 0
+    ids = ids * mask
+    # 7 + 26 = 33 tokens: the last one is predicted at position 31, from 36 columns.
+    common = dict(attention_mask=mask, max_length=36, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        if layer_norm_position == "pre":
+            expected = to_transformers(ours).eval().generate(ids, **common)
+        else:
+            expected = ours.generate(ids, **common, use_cache=False)
+        for kwargs in (dict(), dict(cache_implementation="static")):
+            assert torch.equal(ours.generate(ids, **common, **kwargs), expected), kwargs
+        assert expected.shape[1] == 36
+        with pytest.raises(
+            ValueError, match=r"position_ids contains 32, outside the context \[0, 32\) \(config"
+        ):
+            ours.generate(ids, **{**common, "max_length": 37})
+
+
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_a_prompt_cache_reused_across_generate_calls_gives_the_tokens_of_a_fresh_start(layer_norm_position):
+    """Prefix caching: a prompt's cache deep-copied for each of several suffixes, then the cache itself
+    continued, cropped back to the prompt (its buffers written over) and continued with another suffix;
+    each gives the tokens of generating from scratch (transformers' for GPT-2, hfgpt's without a cache
+    for GPT-1, whose transformers class has none)."""
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=layer_norm_position)).eval()
+    reference = to_transformers(ours).eval() if layer_norm_position == "pre" else ours
+    no_cache = {} if layer_norm_position == "pre" else dict(use_cache=False)
+    prompt = torch.randint(1, 96, (1, 10))
+    common = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = ours(prompt, attention_mask=torch.ones_like(prompt), use_cache=True).past_key_values
+        for seed in range(3):
+            suffix = torch.randint(1, 96, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
+            ids = torch.cat([prompt, suffix], 1)
+            mask = torch.ones_like(ids)
+            expected = reference.generate(ids, attention_mask=mask, **common, **no_cache)
+            copied = copy.deepcopy(cache) if seed < 2 else cache
+            assert torch.equal(
+                ours.generate(ids, attention_mask=mask, past_key_values=copied, **common), expected
+            )
+            assert copied.get_seq_length() == ids.shape[1] + 11 and (
+                seed == 2 or cache.get_seq_length() == 10
+            )
+        cache.crop(-(cache.get_seq_length() - 10))
+        ids = torch.cat([prompt, torch.randint(1, 96, (1, 4))], 1)
+        mask = torch.ones_like(ids)
+        expected = reference.generate(ids, attention_mask=mask, **common, **no_cache)
+        assert torch.equal(ours.generate(ids, attention_mask=mask, past_key_values=cache, **common), expected)
