@@ -745,25 +745,29 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
 
 
 def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread computing a
-    slice of the output columns (`torch.baddbmm` over column slices of the weight, no copy); None where
-    `one_row_parts` gives no split, the columns do not divide evenly or a tensor is not contiguous.
-    Conv1D's `addmm` reads the weight on one thread here. Greedy decoding at batch size 1, interleaved in one process: GPT-2 29.4 against
-    33.3 ms a step, GPT-1 28.5 against 32.9 ms, the same tokens (benchmarks/RESULTS.md)."""
+    """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread reading a
+    contiguous block of the weight's rows (`torch.bmm` of a slice of `x` with each block, no copy) and the
+    partial sums then added; None where `one_row_parts` gives no split, the rows do not divide evenly or a
+    tensor is not contiguous. Conv1D's `addmm` reads the weight on one thread here.
+
+    Row blocks rather than column slices (session 9's split, whose rows of out / threads floats are strided):
+    GPT-2's 768 x 2304 / 768 x 768 / 768 x 3072 / 3072 x 768 weights out of cache, interleaved medians,
+    273 / 113 / 338 / 360 us against 324 / 143 / 347 / 537 us; greedy decoding at batch size 1 in one
+    process, GPT-2 21.7 against 27.5 ms a step, GPT-1 23.4 against 26.8 ms, the same tokens
+    (benchmarks/RESULTS.md). The sum runs in another order than `addmm`'s: equal to float rounding."""
     parts = one_row_parts(x, weight, bias)
     width, out = weight.shape
     if (
         not parts
-        or out % parts
+        or width % parts
         or not weight.is_contiguous()
         or (bias is not None and not bias.is_contiguous())
     ):
         return None
-    slices = weight.view(width, parts, out // parts).transpose(0, 1)  # (parts, in, out / parts)
-    rows = x.expand(parts, 1, width)
-    if bias is None:
-        return torch.bmm(rows, slices).view(1, out)
-    return torch.baddbmm(bias.view(parts, 1, out // parts), rows, slices).view(1, out)
+    blocks = weight.view(parts, width // parts, out)  # (parts, in / parts, out)
+    partial = torch.bmm(x.reshape(parts, 1, width // parts), blocks)  # (parts, 1, out)
+    total = partial.sum(0)  # (1, out)
+    return total if bias is None else total.add_(bias)
 
 
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

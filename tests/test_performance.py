@@ -85,22 +85,28 @@ def test_one_row_product_splits_the_weight_rows_between_threads(out, torch_threa
 
 
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
-@pytest.mark.parametrize("out", [48, 45])  # 45 does not divide between two threads: Conv1D's addmm
-def test_conv1d_at_one_row_splits_its_columns_between_threads(out, torch_threads, monkeypatch):
+@pytest.mark.parametrize("width", [48, 45])  # 45 rows do not divide between two threads: Conv1D's addmm
+def test_conv1d_at_one_row_splits_its_weight_rows_between_threads(width, torch_threads, monkeypatch):
     torch.manual_seed(0)
-    theirs = Conv1D(out, 32)
+    out = 40
+    theirs = Conv1D(out, width)
     torch.nn.init.normal_(theirs.bias)
-    ours = GPTConv1D(out, 32)
+    ours = GPTConv1D(out, width)
     ours.load_state_dict(theirs.state_dict())
     results = []
     monkeypatch.setattr(
         modeling_hfgpt, "one_row_conv1d", lambda *args: results.append(one_row_conv1d(*args)) or results[-1]
     )
-    x = torch.randn(1, 1, 32)
+    x = torch.randn(1, 1, width)
     with torch.no_grad():
         got = ours(x)
         torch.testing.assert_close(got, theirs(x), atol=1e-6, rtol=1e-6)
-    split = out % torch_threads == 0
+        assert got.shape == (1, 1, out) and got.is_contiguous()
+        # Without a bias too.
+        unbiased = one_row_conv1d(x[0], ours.weight, None)
+        if unbiased is not None:
+            torch.testing.assert_close(unbiased, x[0] @ ours.weight, atol=1e-6, rtol=1e-6)
+    split = width % torch_threads == 0
     assert [r is not None for r in results] == [split]
     # With gradients it is Conv1D's product, and the gradients are Conv1D's.
     results.clear()
