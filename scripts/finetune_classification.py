@@ -17,7 +17,9 @@ added tokens and pools at the last token, as transformers' GPT2ForSequenceClassi
 evaluate metrics.
 
 Exit status: 0 after training; 2 for bad input, before training starts: a usage error from the argument
-parser, or a data / model problem printed as one `error: ...` line naming the file, column or value at fault.
+parser, or a data / model / `--push_to_hub` problem printed as one `error: ...` line naming the file,
+column or value at fault; also 2 for a `--push_to_hub` upload that fails after training, whose message
+says the checkpoint is saved.
 """
 
 import json
@@ -59,7 +61,7 @@ from hfgpt.scripts.train_lm import (
     KEEP_FREED_MEMORY_FIELD,
     _check_file,
     _parse_overrides,
-    hub_repo_id,
+    hub_target,
     keep_freed_memory_on_cpu,
     load_local_files,
     load_tokenizer,
@@ -437,7 +439,7 @@ def finetune(
     if args.recipe == "plain" and args.task not in ("classification", "entailment"):
         raise FinetuneInputError(f"--recipe plain supports classification and entailment, not {args.task!r}")
     push, training_args.push_to_hub = training_args.push_to_hub, False
-    repo_id = hub_repo_id(training_args) if push else None
+    target = hub_target(training_args) if push else None
     set_seed(training_args.seed)
 
     columns = _columns(args)
@@ -514,8 +516,8 @@ def finetune(
         },
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
-    if repo_id is not None and trainer.is_world_process_zero():
-        metrics["commit_url"] = push_checkpoint(training_args, repo_id)
+    if target is not None and trainer.is_world_process_zero():
+        metrics["commit_url"] = push_checkpoint(training_args, target)
     return metrics
 
 

@@ -29,7 +29,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-__all__ = ["PushError", "collect_upload", "in_token_namespace", "main", "push_to_hub"]
+__all__ = ["PushError", "collect_upload", "main", "push_to_hub", "token_user"]
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -299,13 +299,10 @@ def _token_user(api: HfApi, repo_id: str) -> str:
         raise
 
 
-def in_token_namespace(name: str, token: str | None = None, *, endpoint: str | None = None) -> str:
-    """`name` as a repo id: unchanged if it names a namespace, else under the token's user, as Trainer
-    and `HfApi.create_repo` place a bare name (TrainingArguments' hub_model_id defaults to
-    user_name/output_dir_name)."""
-    if "/" in name:
-        return name
-    return f"{_token_user(HfApi(endpoint=endpoint, token=token), name)}/{name}"
+def token_user(repo_id: str, token: str | None = None, *, endpoint: str | None = None) -> str:
+    """The name of the user whose token (`token`, else `HF_TOKEN` or the saved login) would push to
+    `repo_id`, asked of the Hub: a PushError names a missing or refused token or an unreachable Hub."""
+    return _token_user(HfApi(endpoint=endpoint, token=token), repo_id)
 
 
 def push_to_hub(

@@ -12,7 +12,9 @@ checkpoint: weights, config, generation config, tokenizer, model card (README.md
 Data-parallel: `accelerate launch --multi_gpu --num_processes N -m hfgpt.scripts.train_lm ...` (see the README).
 
 Exit status: 0 after training; 2 for bad input, before training starts: a usage error from the argument
-parser, or a data / model problem printed as one `error: ...` line naming the file, column or value at fault.
+parser, or a data / model / `--push_to_hub` problem printed as one `error: ...` line naming the file,
+column or value at fault; also 2 for a `--push_to_hub` upload that fails after training, whose message
+says the checkpoint is saved.
 """
 
 import ast
@@ -343,36 +345,54 @@ def save_complete_checkpoint(
     trainer.accelerator.wait_for_everyone()
 
 
-def hub_repo_id(training_args: TrainingArguments) -> str:
+@dataclass(frozen=True)
+class HubTarget:
+    """Where `--push_to_hub` uploads the finished checkpoint, and with which token."""
+
+    repo_id: str
+    token: str | None
+
+
+def hub_target(training_args: TrainingArguments) -> HubTarget:
     """The repo `--push_to_hub` uploads to, resolved and checked before any work: as Trainer, `--hub_model_id`
-    defaulting to the output folder's name, and a name without a namespace under the token's user (which asks
-    the Hub whose token it is, so a missing or refused token fails here too, not after training)."""
-    from hfgpt.scripts.push_to_hub import PushError, check_repo_id, in_token_namespace
+    defaulting to the output folder's name, and a name without a namespace under the token's user. The
+    token is checked with the Hub whatever the name, so a missing or refused one fails here, not after
+    training. `--hub_token` is then taken out of `training_args`: Trainer pickles its arguments into
+    `training_args.bin` beside every checkpoint."""
+    from hfgpt.scripts.push_to_hub import PushError, check_repo_id, token_user
 
     name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+    token = training_args.hub_token
     try:
-        repo_id = in_token_namespace(name, training_args.hub_token)
-        check_repo_id(repo_id)
+        if "/" in name:
+            check_repo_id(name)  # a malformed id is refused before any network call
+            token_user(name, token)
+            repo_id = name
+        else:
+            repo_id = f"{token_user(name, token)}/{name}"
+            check_repo_id(repo_id)
     except PushError as err:
         raise TrainingInputError(f"--push_to_hub: {err}") from err
-    return repo_id
+    training_args.hub_token = None
+    return HubTarget(repo_id, token)
 
 
-def push_checkpoint(training_args: TrainingArguments, repo_id: str) -> str:
-    """Upload the finished checkpoint in `output_dir` to `repo_id` (`hub_repo_id`) with hfgpt-push
-    (`--hub_token`, `--hub_private_repo` as in Trainer). Imported lazily: only pushes need it."""
+def push_checkpoint(training_args: TrainingArguments, target: HubTarget) -> str:
+    """Upload the finished checkpoint in `output_dir` to `target` (`hub_target`) with hfgpt-push
+    (`--hub_private_repo` as in Trainer). Imported lazily: only pushes need it."""
     from hfgpt.scripts.push_to_hub import PushError, push_to_hub
 
     try:
         info = push_to_hub(
             training_args.output_dir,
-            repo_id,
+            target.repo_id,
             private=bool(training_args.hub_private_repo),
-            token=training_args.hub_token,
+            token=target.token,
         )
     except PushError as err:
         raise TrainingInputError(
-            f"the checkpoint is saved in {training_args.output_dir}, but pushing it to {repo_id} failed: {err}"
+            f"the checkpoint is saved in {training_args.output_dir}, but pushing it to {target.repo_id} "
+            f"failed: {err}"
         ) from err
     return info.commit_url
 
@@ -387,7 +407,7 @@ def train_lm(
     Returns the metrics (train_loss, eval_loss, perplexity, ...)."""
     # Push with hfgpt's own uploader after the checkpoint is complete, not Trainer's per-save pushes.
     push, training_args.push_to_hub = training_args.push_to_hub, False
-    repo_id = hub_repo_id(training_args) if push else None
+    target = hub_target(training_args) if push else None
     set_seed(training_args.seed)
 
     if model_args.tokenizer_name:
@@ -439,8 +459,8 @@ def train_lm(
         },
     }
     save_complete_checkpoint(trainer, tokenizer, training_args.output_dir, card_facts)
-    if repo_id is not None and trainer.is_world_process_zero():
-        metrics["commit_url"] = push_checkpoint(training_args, repo_id)
+    if target is not None and trainer.is_world_process_zero():
+        metrics["commit_url"] = push_checkpoint(training_args, target)
     return metrics
 
 

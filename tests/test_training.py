@@ -316,6 +316,10 @@ def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypat
         ]
         metrics = train_lm(*_parse(argv))
         assert "tiny" in metrics["commit_url"]
+        # The token reaches the push, not the disk: Trainer pickles its arguments into training_args.bin.
+        written = [path for path in (tmp_path / "out").rglob("*") if path.is_file()]
+        assert any(path.name == "training_args.bin" for path in written)
+        assert not [path for path in written if token.encode() in path.read_bytes()]
         files = set(
             huggingface_hub.HfApi(endpoint=hub.url, token=token).list_repo_files(
                 f"{DEFAULT_TOKENS[token]}/tiny"
@@ -358,6 +362,10 @@ def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_
     [
         (["--hub_model_id", "me/not a name"], "not a valid repo id"),
         (["--hub_token", "hf_refused"], "refused the token"),  # a bare name asks the Hub whose token it is
+        (
+            ["--hub_model_id", "me/tiny", "--hub_token", "hf_refused"],
+            "refused the token",
+        ),  # so does a full id
     ],
 )
 def test_push_to_hub_problems_stop_before_training(tmp_path, corpus, monkeypatch, hub_args, message):
