@@ -169,6 +169,7 @@ class GPTAttention(nn.Module):
             self.scaling /= float(layer_idx + 1)
         self.c_attn = GPTConv1D(3 * config.n_embd, config.n_embd)
         self.c_proj = GPTConv1D(config.n_embd, config.n_embd)
+        self.c_proj.is_residual_projection = True  # scaled at initialisation (`scale_residual_init`)
         self.attn_dropout = config.attn_pdrop
         self.resid_dropout = GPTDropout(config.resid_pdrop)
 
@@ -208,7 +209,7 @@ class GPTAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        output = output.to(input_dtype).reshape(batch, seq_len, -1)  # (B, T, E)
+        output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
         output = self.resid_dropout(self.c_proj(output))
         return output, weights
 
@@ -218,6 +219,7 @@ class GPTMLP(nn.Module):
         super().__init__()
         self.c_fc = GPTConv1D(config.inner_size, config.n_embd)
         self.c_proj = GPTConv1D(config.n_embd, config.inner_size)
+        self.c_proj.is_residual_projection = True  # scaled at initialisation (`scale_residual_init`)
         self.act = ACTIVATIONS[config.activation_function]
         self.dropout = GPTDropout(config.resid_pdrop)
 
@@ -343,6 +345,17 @@ def copy_remote_code(save_directory: str | os.PathLike) -> None:
         shutil.copyfile(here / name, Path(save_directory) / name)
 
 
+def _unpoolable_batch(n_rows: int, clf_id: int | None = None) -> ValueError:
+    """The error for a batch of several sequences that a classification head cannot pool without a pad token."""
+    return ValueError(
+        f"Cannot pool a batch of {n_rows} sequences without a pad token: set "
+        "`model.config.pad_token_id` (e.g. to the tokenizer's pad or eos id) so the last "
+        "non-padding token of each row can be found"
+        + (f", or end every sequence with the classify token {clf_id}" if clf_id is not None else "")
+        + "."
+    )
+
+
 class GPTPreTrainedModel(PreTrainedModel):
     config_class = GPTConfig
     config: GPTConfig
@@ -365,14 +378,16 @@ class GPTPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        std = self.config.initializer_range
         if isinstance(module, Conv1D):
+            std = self.config.initializer_range
+            # GPT-2 §2.3: "scale the weights of residual layers at initialization by 1/sqrt(N)" where N is
+            # the number of residual layers (two per block). GPT-1 used N(0, 0.02) everywhere. Decided on the
+            # projection itself: transformers never calls `_init_weights` on a custom-code module without
+            # parameters of its own (GPTAttention, GPTMLP), as GPT2LMHeadModel's scaling does.
+            if self.config.scale_residual_init and getattr(module, "is_residual_projection", False):
+                std /= (2 * self.config.n_layer) ** 0.5
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.bias)
-        # GPT-2 §2.3: "scale the weights of residual layers at initialization by 1/sqrt(N)" where N is
-        # the number of residual layers (two per block). GPT-1 used N(0, 0.02) everywhere.
-        if self.config.scale_residual_init and isinstance(module, (GPTAttention, GPTMLP)):
-            init.normal_(module.c_proj.weight, mean=0.0, std=std / (2 * self.config.n_layer) ** 0.5)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
@@ -396,29 +411,22 @@ class GPTPreTrainedModel(PreTrainedModel):
         last position (as GPT2DoubleHeadsModel)."""
         device = input_ids.device if input_ids is not None else self.device
         positions = torch.arange(seq_len, device=device)
-        if input_ids is None:
-            return torch.full((n_rows,), seq_len - 1, device=device, dtype=torch.long)
+        last = torch.full((n_rows,), seq_len - 1, device=device, dtype=torch.long)
+        pad_id = self.config.pad_token_id
+        if input_ids is None:  # inputs_embeds: no token to find, the last position (as GPT2*)
+            if pad_id is None and n_rows != 1 and require_pad:
+                raise _unpoolable_batch(n_rows)
+            return last
         input_ids = input_ids.reshape(n_rows, seq_len)
         clf_id = self.config.classify_token_id
         if clf_id is not None:
             is_clf = input_ids == clf_id
             if bool(is_clf.any(dim=-1).all()):
                 return (positions * is_clf).argmax(-1)
-        pad_id = self.config.pad_token_id
         if pad_id is None:
             if n_rows != 1 and require_pad:
-                raise ValueError(
-                    f"Cannot pool a batch of {n_rows} sequences without a pad token: set "
-                    "`model.config.pad_token_id` (e.g. to the tokenizer's pad or eos id) so the last "
-                    "non-padding token of each row can be found"
-                    + (
-                        f", or end every sequence with the classify token {clf_id}"
-                        if clf_id is not None
-                        else ""
-                    )
-                    + "."
-                )
-            return torch.full((n_rows,), seq_len - 1, device=device, dtype=torch.long)
+                raise _unpoolable_batch(n_rows, clf_id)
+            return last
         # Rightmost non-pad token: works for left and right padding alike (as GPT2ForSequenceClassification).
         return (positions * (input_ids != pad_id)).argmax(-1)
 

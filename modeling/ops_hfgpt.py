@@ -812,8 +812,8 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
     """
     dtype = head_product_dtype(hidden_states, head)
-    rows = hidden_states.numel() // hidden_states.shape[-1]
-    if dtype is None:
+    rows = hidden_states.numel() // hidden_states.shape[-1] if hidden_states.shape[-1] else 0
+    if dtype is None or rows == 0:  # (an empty batch has nothing to compute faster)
         return head(hidden_states)
     if (
         dtype != torch.float32
@@ -957,7 +957,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_loss is None:  # only the logits were used (the loss got no gradient)
             grad_loss = lse.new_zeros(())
         rows, vocab = logits.shape
-        scale = (row_weights * (grad_loss / divisor))[:, None]  # d loss / d log-probability, per row
+        scale = loss_row_scale(row_weights, grad_loss, divisor)  # d loss / d log-probability, per row
         float32 = hidden.dtype == torch.float32
         onednn = onednn_products_apply(hidden, weight)  # float32 only; MKL's addmm_ / mm(out=) otherwise
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
@@ -997,6 +997,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+def loss_row_scale(row_weights: torch.Tensor, grad_loss: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """Each row's `row_weights x grad_loss / divisor` (N, 1), 0 for rows of weight 0 even where the divisor is 0:
+    a batch whose labels are all `ignore_index` has loss 0 / 0 = NaN and, as `F.cross_entropy` gives it, zero
+    gradients, where 0 x (1 / 0) would write NaN into every parameter."""
+    return torch.where(row_weights != 0, row_weights * (grad_loss / divisor), 0.0)[:, None]
+
+
 def _differentiable_head_grads(
     ctx: Any,
     hidden: torch.Tensor,
@@ -1019,7 +1026,7 @@ def _differentiable_head_grads(
         logits = F.linear(low_hidden, low_weight)
         grad = logits.new_zeros(logits.shape, dtype=torch.float32)
         if grad_loss is not None:
-            scale = (row_weights * (grad_loss / divisor))[:, None]
+            scale = loss_row_scale(row_weights, grad_loss, divisor)
             onehot = torch.zeros_like(grad).scatter(1, targets[:, None], scale)
             grad = torch.softmax(logits.float(), dim=-1) * scale - onehot
         if grad_logits is not None:

@@ -964,3 +964,52 @@ def test_export_keeps_the_dtype(dtype):
     theirs = exported.state_dict()
     for name, tensor in ours.state_dict().items():
         assert torch.equal(theirs[name], tensor), name  # the same bits, no round trip through float32
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "openai-gpt"])
+def test_initialisation_scales_residual_projections_as_gpt2(preset):
+    """GPT-2 §2.3 (`scale_residual_init`): both residual projections of each block start at std 0.02 /
+    sqrt(2 n_layer), as GPT2LMHeadModel's do; GPT-1 used 0.02 everywhere. transformers never calls
+    `_init_weights` on a custom-code module without parameters of its own (it did nothing here until
+    session 12)."""
+    torch.manual_seed(0)
+    sizes = dict(n_embd=256, n_layer=3, n_head=4, vocab_size=VOCAB)
+    block = GPTForCausalLM(GPTConfig.from_preset(preset, **sizes)).transformer.h[1]
+    scaled = 0.02 / (2 * 3) ** 0.5 if preset == "gpt2" else 0.02
+    for projection, std in (
+        (block.attn.c_proj, scaled),
+        (block.mlp.c_proj, scaled),
+        (block.attn.c_attn, 0.02),
+        (block.mlp.c_fc, 0.02),
+    ):
+        assert abs(projection.weight.std().item() - std) < 0.03 * std, (projection, std)
+        assert not projection.bias.any()
+    if preset == "gpt2":
+        peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes)).transformer.h[1]
+        for name in ("attn.c_proj", "mlp.c_proj"):
+            theirs = peer.get_submodule(name).weight.std().item()
+            assert abs(block.get_submodule(name).weight.std().item() - theirs) < 0.03 * theirs
+
+
+def test_classification_of_embeddings_without_a_pad_token_is_refused_for_a_batch():
+    """As GPT2ForSequenceClassification: with `inputs_embeds` no padding can be found, so a batch of several
+    sequences needs a pad token; one sequence is pooled at its last position."""
+    peer, ours = make_pair(GPTForSequenceClassification, "pre")
+    embeds = torch.randn(2, 6, TINY["n_embd"])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="no padding token"):
+            peer(inputs_embeds=embeds)  # transformers refuses it too
+        with pytest.raises(ValueError, match="Cannot pool a batch of 2 sequences without a pad token"):
+            ours(inputs_embeds=embeds)
+        torch.testing.assert_close(
+            ours(inputs_embeds=embeds[:1]).logits, peer(inputs_embeds=embeds[:1]).logits
+        )
+
+
+def test_empty_batch_with_eager_attention_as_openai_gpt():
+    """OpenAIGPTLMHeadModel runs a batch of zero sequences; so does hfgpt's post-norm model with eager
+    attention (sdpa refuses it inside transformers, as for GPT2LMHeadModel)."""
+    peer, ours = make_pair(GPTForCausalLM, "post", attn="eager")
+    ids = torch.zeros(0, 5, dtype=torch.long)
+    with torch.no_grad():
+        assert ours(ids).logits.shape == peer(ids).logits.shape == (0, 5, VOCAB)

@@ -465,6 +465,31 @@ def test_lm_loss_with_nothing_to_count_is_nan_like_transformers():
     assert ours[1].isnan() and theirs[1].isnan()
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("num_items_in_batch", [None, 0])
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_lm_loss_with_nothing_to_count_has_zero_gradients_like_transformers(
+    layer_norm_position, num_items_in_batch, create_graph
+):
+    """Labels all `ignore_index` (Trainer then passes num_items_in_batch=0): the loss is 0 / 0 = NaN and,
+    as in GPT2LMHeadModel / OpenAIGPTLMHeadModel, every gradient is zero; the fused loss's backward wrote
+    NaN into every parameter's gradient until session 12."""
+    torch.manual_seed(0)
+    ours = GPTForCausalLM(no_drop_config(layer_norm_position))
+    peer = to_transformers(ours)
+    ids = torch.randint(0, 96, (2, 12))  # 24 rows: the fused loss, not the plain one of <= FEW_ROWS rows
+    extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    for model in (ours, peer):
+        loss = model(ids, labels=torch.full_like(ids, -100), **extra).loss
+        assert loss.isnan()
+        loss.backward(create_graph=create_graph)
+    grads, peer_grads = parameter_grads(ours), parameter_grads(peer)
+    assert grads.keys() == peer_grads.keys()
+    for name, grad in grads.items():
+        assert not peer_grads[name].any(), name
+        assert grad is not None and not grad.any(), name
+
+
 def test_lm_logits_and_loss_name_bad_labels():
     head = torch.nn.Linear(32, 50, bias=False)
     labels = torch.randint(0, 50, (1, 20))
