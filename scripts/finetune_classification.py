@@ -438,8 +438,7 @@ def finetune(
         raise FinetuneInputError(f"unknown recipe {args.recipe!r}; choose 'gpt1' or 'plain'")
     if args.recipe == "plain" and args.task not in ("classification", "entailment"):
         raise FinetuneInputError(f"--recipe plain supports classification and entailment, not {args.task!r}")
-    push, training_args.push_to_hub = training_args.push_to_hub, False
-    target = hub_target(training_args) if push else None
+    target = hub_target(training_args)
     set_seed(training_args.seed)
 
     columns = _columns(args)

@@ -353,12 +353,15 @@ class HubTarget:
     token: str | None
 
 
-def hub_target(training_args: TrainingArguments) -> HubTarget:
-    """The repo `--push_to_hub` uploads to, resolved and checked before any work: as Trainer, `--hub_model_id`
-    defaulting to the output folder's name, and a name without a namespace under the token's user. The
-    token is checked with the Hub whatever the name, so a missing or refused one fails here, not after
-    training. `--hub_token` is then taken out of `training_args`: Trainer pickles its arguments into
-    `training_args.bin` beside every checkpoint."""
+def hub_target(training_args: TrainingArguments) -> HubTarget | None:
+    """Where `--push_to_hub` uploads (None without it), resolved and checked before any work: as Trainer,
+    `--hub_model_id` defaulting to the output folder's name, and a name without a namespace under the
+    token's user. The token is checked with the Hub whatever the name, so a missing or refused one fails
+    here, not after training. Both are then taken out of `training_args`: `push_to_hub`, since hfgpt-push
+    uploads the complete checkpoint after training rather than Trainer at each save, and `hub_token`,
+    since Trainer pickles its arguments into `training_args.bin` beside every checkpoint."""
+    if not training_args.push_to_hub:
+        return None
     from hfgpt.scripts.push_to_hub import PushError, check_repo_id, token_user
 
     name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
@@ -373,7 +376,7 @@ def hub_target(training_args: TrainingArguments) -> HubTarget:
             check_repo_id(repo_id)
     except PushError as err:
         raise TrainingInputError(f"--push_to_hub: {err}") from err
-    training_args.hub_token = None
+    training_args.push_to_hub, training_args.hub_token = False, None
     return HubTarget(repo_id, token)
 
 
@@ -405,9 +408,7 @@ def train_lm(
 ) -> dict[str, Any]:
     """Train, evaluate, save a complete checkpoint to `training_args.output_dir`, optionally push it.
     Returns the metrics (train_loss, eval_loss, perplexity, ...)."""
-    # Push with hfgpt's own uploader after the checkpoint is complete, not Trainer's per-save pushes.
-    push, training_args.push_to_hub = training_args.push_to_hub, False
-    target = hub_target(training_args) if push else None
+    target = hub_target(training_args)
     set_seed(training_args.seed)
 
     if model_args.tokenizer_name:
