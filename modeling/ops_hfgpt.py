@@ -942,20 +942,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         logits = row_aligned_mm(hidden, weight)  # (N, V); a float32 weight cast a block at a time
         lse = log_sum_exp(logits)
         picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        ctx.save_for_backward(hidden, weight, logits, targets, row_weights, lse, divisor, source)
+        # The input as given: backward casts it again (a graph-building backward differentiates through it).
+        ctx.save_for_backward(source, weight, logits, targets, row_weights, lse, divisor)
         return logits, ((lse - picked) * row_weights).sum() / divisor
 
     @staticmethod
     def backward(
         ctx: Any, grad_logits: torch.Tensor | None, grad_loss: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
-        hidden, weight, logits, targets, row_weights, lse, divisor, source = ctx.saved_tensors
+        source, weight, logits, targets, row_weights, lse, divisor = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a backward that can itself be differentiated
             return _differentiable_head_grads(
                 ctx, source, weight, targets, row_weights, divisor, grad_logits, grad_loss
             )
         if grad_loss is None:  # only the logits were used (the loss got no gradient)
             grad_loss = lse.new_zeros(())
+        hidden = source.to(ctx.dtype)  # no copy when dtype is float32
         rows, vocab = logits.shape
         scale = loss_row_scale(row_weights, grad_loss, divisor)  # d loss / d log-probability, per row
         float32 = hidden.dtype == torch.float32
