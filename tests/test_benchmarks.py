@@ -271,3 +271,48 @@ def test_convert_benchmark_reports_a_contender_that_fails_instead_of_waiting(tmp
 
     with pytest.raises(RuntimeError, match="_run_hfgpt exited with 1 without figures"):
         bench_convert.measure("_run_hfgpt", str(tmp_path / "no-release"), str(tmp_path / "out"), "float32")
+
+
+def test_step_breakdown_times_both_steps_op_by_op_and_counts_their_products(tmp_path, capsys):
+    import step_breakdown
+
+    out = tmp_path / "breakdown.json"
+    assert step_breakdown.main(["--tiny", "--steps", "1", "--measured", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    config = bench_model.our_config("gpt2", bench_model.PROFILES["tiny"]["model_overrides"])
+    (batch, seq_len), embd, layers = report["shape"], config.n_embd, config.n_layer
+    # Forward, then the input and weight gradients: 3x the forward's products. At 16 positions both run
+    # attention over the whole T x T square (hfgpt's bands start at 128).
+    linear = 2 * (embd * 3 * embd + embd * embd + 2 * embd * config.inner_size) * layers * batch * seq_len
+    head = 2 * embd * config.vocab_size * batch * seq_len
+    attention = 2 * 2 * batch * seq_len * seq_len * embd * layers
+    assert set(report["contenders"]) == {"hfgpt", "transformers"}
+    for impl, result in report["contenders"].items():
+        assert result["product_flops"] == 3 * (linear + head + attention), impl
+        assert 0 < result["product_seconds"] < result["instrumented_seconds"]
+        assert result["step_seconds"] > 0 and result["faults_per_step"] >= 0
+        assert any(op["op"].startswith("aten.randint") for op in result["ops"]) == (impl == "hfgpt")
+        assert f"## {impl}: " in table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--impls", "hfgpt,peer"], "--impls takes hfgpt and/or transformers, not peer"),
+        (["--steps", "0"], "--steps and --measured take 1 or more"),
+        (["--json", "{missing}/out.json"], "is not an existing folder"),
+    ],
+)
+def test_step_breakdown_refuses_bad_arguments_before_building_models(
+    argv, message, tmp_path, capsys, monkeypatch
+):
+    import step_breakdown
+
+    built = []
+    monkeypatch.setattr(step_breakdown, "build_ours", lambda *args: built.append(args))
+    argv = [a.replace("{missing}", str(tmp_path / "missing")) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        step_breakdown.main(["--tiny", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and not built and message in err and "Traceback" not in err
