@@ -4,6 +4,8 @@ dropout (`dropout`, `GPTDropout`, `masked_scale`), training attention with dropo
 (`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`), the in-place MLP
 activation and weight casts into a `workspace` under autocast (`GPTConv1D`, `weight_blocks`)."""
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -894,6 +896,53 @@ def test_tied_head_gradient_is_taken_only_in_the_backward_that_handed_it_over():
     weight.grad = None
     HandOver.apply(ops_hfgpt._TiedEmbedding.apply(ids, weight, tied)).sum().backward()
     torch.testing.assert_close(weight.grad, expected + 1.0)
+
+
+def test_tied_head_gradient_memory_is_taken_again_only_when_nothing_holds_it():
+    """The tied head's V x E gradient reuses the last step's memory (`RecycledBuffer`) once `zero_grad`
+    dropped it, with the values a fresh tensor gets; a gradient someone still holds, or one kept for
+    accumulation, is never written into."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(no_drop_config()).train()
+    fresh = copy.deepcopy(model)  # computes every step in new memory: the reference values
+    first, second = torch.randint(0, 96, (2, 20)), torch.randint(0, 96, (3, 12))
+
+    def gradients(m: GPTForCausalLM, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        m(ids, labels=ids).loss.backward()
+        return {name: p.grad.clone() for name, p in m.named_parameters()}
+
+    def kept() -> torch.Tensor:
+        return model.__dict__["_head_gradient_buffer"]._tensor
+
+    expected = {"first": gradients(fresh, first), "second": gradients(fresh, second)}
+    assert gradients(model, first).keys() == expected["first"].keys()
+    wte = model.transformer.wte.weight
+    memory = kept().data_ptr()
+    assert wte.grad.data_ptr() == memory
+    for name, grad in gradients(model, second).items():  # set_to_none=True, then the same memory again
+        assert torch.equal(grad, expected["second"][name]), name
+    assert wte.grad.data_ptr() == kept().data_ptr() == memory
+
+    held, values = wte.grad, wte.grad.clone()  # the caller keeps the gradient: left alone
+    gradients(model, first)
+    assert torch.equal(held, values) and wte.grad.data_ptr() not in (held.data_ptr(), 0)
+    assert kept().data_ptr() == wte.grad.data_ptr()
+    del held
+
+    model.zero_grad(set_to_none=False)  # accumulation into the kept .grad: new memory for each addend
+    for ids in (first, second):
+        model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.grad, expected["first"][name] + expected["second"][name], atol=1e-6, rtol=1e-5, msg=name
+        )
+
+    clone = copy.deepcopy(model)  # a copy starts with nothing kept
+    assert clone.__dict__["_head_gradient_buffer"]._tensor is None
+    assert pickle.loads(pickle.dumps(model.__dict__["_head_gradient_buffer"]))._tensor is None
+    model.eval()  # evaluation frees it
+    assert "_head_gradient_buffer" not in model.__dict__
 
 
 def tied_head_cases():
