@@ -36,6 +36,8 @@ from hfgpt.modeling.ops_hfgpt import (
     one_row_conv1d,
     one_row_parts,
     one_row_product,
+    onednn_logits_and_lse,
+    onednn_products,
     project_to_vocab,
     weighted_lm_loss,
     workspace,
@@ -718,6 +720,68 @@ def test_log_sum_exp_equals_torch_logsumexp_including_infinities(dtype):
         torch.testing.assert_close(got, torch.logsumexp(logits.float(), dim=-1))
 
 
+@pytest.mark.parametrize("block_columns", [64, 100, 300, 4096])
+def test_onednn_logits_in_blocks_and_their_running_log_sum_exp_equal_one_product(block_columns, monkeypatch):
+    """The training head's logits written a block of the vocabulary at a time into a given tensor, and the
+    log-sum-exp summed block by block against a running maximum, equal one product and
+    `torch.logsumexp`, infinities included (rows built to overflow to +inf and -inf)."""
+    if ops_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN (its x86-64 wheels do)")
+    monkeypatch.setattr(ops_hfgpt, "LOGIT_BLOCK_COLUMNS", block_columns)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(37, 16), torch.randn(300, 16)
+    hidden[:, :2] = 0.0
+    weight[:, 0] = -20.0  # row 3 below: every logit overflows to -inf
+    weight[:, 1] = 0.0
+    weight[7, 1] = 20.0  # row 5 below: logit 7 overflows to +inf, the others are 0
+    hidden[3], hidden[5] = 0.0, 0.0
+    hidden[3, 0], hidden[5, 1] = 1e38, 1e38
+    out = torch.full((37, 300), float("nan"))
+    logits, lse = onednn_logits_and_lse(hidden, weight, out)
+    expected = hidden @ weight.T
+    assert logits is out and lse.shape == (37,) and lse.dtype == torch.float32
+    assert torch.isneginf(expected[3]).all() and torch.isposinf(expected[5, 7])
+    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(lse, torch.logsumexp(expected, dim=-1))
+    assert torch.isneginf(lse[3]) and torch.isposinf(lse[5])
+
+
+def test_training_logits_take_the_last_steps_memory_only_when_no_one_holds_them():
+    """In a float32 training forward with labels, the logits go into memory the model keeps between steps
+    (`HeadBuffers`): taken again once the last step's outputs are gone, never while the caller holds them."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(no_drop_config()).train()
+    first, second = torch.randint(0, 96, (2, 20)), torch.randint(0, 96, (3, 12))
+    with onednn_products(True) as on:
+        if not on:
+            pytest.skip("this torch build has no oneDNN (its x86-64 wheels do)")
+
+        def kept() -> torch.Tensor:
+            return model.__dict__["_head_buffers"].logits._tensor
+
+        held = model(first, labels=first)
+        held.loss.backward()
+        values = held.logits.detach().clone()
+        assert held.logits.data_ptr() == kept().data_ptr()
+        out = model(second, labels=second)
+        out.loss.backward()
+        intact, moved = torch.equal(held.logits, values), out.logits.data_ptr() != held.logits.data_ptr()
+        assert intact and moved  # (plain names: pytest's rewritten asserts keep what they evaluate)
+        with torch.no_grad():
+            torch.testing.assert_close(out.logits, model(second).logits)
+            torch.testing.assert_close(values, model(first).logits)
+        memory = kept().data_ptr()  # the second step's, which is kept now
+        del held, out
+        again = model(second[:, :10], labels=second[:, :10])  # fewer rows: the start of the same memory
+        assert again.logits.data_ptr() == memory
+        with torch.no_grad():
+            torch.testing.assert_close(again.logits, model(second[:, :10]).logits)
+        del again
+        more = model(first, labels=first)  # more rows than kept: fresh memory, kept from then on
+        assert more.logits.data_ptr() == kept().data_ptr() != memory
+        torch.testing.assert_close(more.logits, values)
+
+
 def test_masked_scale_reads_the_boolean_mask_as_zero_or_one():
     torch.manual_seed(0)
     x = torch.randn(4, 5, 6)
@@ -913,7 +977,7 @@ def test_tied_head_gradient_memory_is_taken_again_only_when_nothing_holds_it():
         return {name: p.grad.clone() for name, p in m.named_parameters()}
 
     def kept() -> torch.Tensor:
-        return model.__dict__["_head_gradient_buffer"]._tensor
+        return model.__dict__["_head_buffers"].gradient._tensor
 
     expected = {"first": gradients(fresh, first), "second": gradients(fresh, second)}
     assert gradients(model, first).keys() == expected["first"].keys()
@@ -939,10 +1003,10 @@ def test_tied_head_gradient_memory_is_taken_again_only_when_nothing_holds_it():
         )
 
     clone = copy.deepcopy(model)  # a copy starts with nothing kept
-    assert clone.__dict__["_head_gradient_buffer"]._tensor is None
-    assert pickle.loads(pickle.dumps(model.__dict__["_head_gradient_buffer"]))._tensor is None
+    assert clone.__dict__["_head_buffers"].gradient._tensor is None
+    assert pickle.loads(pickle.dumps(model.__dict__["_head_buffers"].gradient))._tensor is None
     model.eval()  # evaluation frees it
-    assert "_head_gradient_buffer" not in model.__dict__
+    assert "_head_buffers" not in model.__dict__
 
 
 def tied_head_cases():
