@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import resource
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import PROFILES, build_ours, build_peer, make_train_step  # noqa: E402
+from bench_model import PROFILES, build_ours, build_peer, make_train_step, write_json  # noqa: E402
 
 from hfgpt.modeling.cpu_runtime import keep_freed_memory  # noqa: E402
 
@@ -218,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_report(report, args.top))
     if args.json:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(args.json)
+        write_json(args.json, report)
     return 0
 
 

@@ -941,6 +941,13 @@ class RecycledBuffer:
         self.__init__()
 
 
+def empty_float32(shape: torch.Size, device: torch.device, buffer: RecycledBuffer | None) -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape`: from `buffer` where there is one, else fresh memory."""
+    if buffer is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return buffer.empty(shape, device)
+
+
 class HeadBuffers:
     """What a model keeps between training steps for its tied LM head and loss: memory for the float32
     logits and for the head's weight gradient, each taken again once nothing holds it (`RecycledBuffer`)."""
@@ -954,7 +961,7 @@ class TiedHeadGradient:
     """Carries the LM head's weight gradient from `_LinearCrossEntropy`'s backward to `_TiedEmbedding`'s, for
     a head tied to the token embeddings (GPT-1 and GPT-2 share one V x E matrix): the embedding's backward
     adds its rows into the head's gradient in place and returns the whole. The head's backward takes the
-    memory for that gradient from `buffer` where the model keeps one (`RecycledBuffer`).
+    memory for that gradient from `buffers` where the model keeps them (`HeadBuffers`).
 
     Autograd would instead build the embedding's gradient as a fresh zero-filled V x E tensor and sum the
     two into a third: for GPT-2 two more 154 MB tensors written from fresh pages every training step
@@ -965,19 +972,8 @@ class TiedHeadGradient:
     def __init__(self, buffers: HeadBuffers | None = None) -> None:
         self._grad: torch.Tensor | None = None
         self._task: int | None = None
-        self._buffers = buffers
-
-    def empty_gradient(self, weight: torch.Tensor) -> torch.Tensor:
-        """An uninitialised float32 tensor for `weight`'s gradient, from the model's buffer if it has one."""
-        if self._buffers is None:
-            return weight.new_empty(weight.shape, dtype=torch.float32)
-        return self._buffers.gradient.empty(weight.shape, weight.device)
-
-    def empty_logits(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """An uninitialised float32 tensor for the head's float32 logits, from the model's buffer if it has one."""
-        if self._buffers is None:
-            return torch.empty(shape, dtype=torch.float32, device=device)
-        return self._buffers.logits.empty(shape, device)
+        # The model's memory for the head's logits and gradient; without it, memory for this pass alone.
+        self.buffers = buffers if buffers is not None else HeadBuffers()
 
     def hand_over(self, grad: torch.Tensor) -> None:
         self._grad, self._task = grad, torch._C._current_graph_task_id()
@@ -1048,8 +1044,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         source, hidden = hidden, hidden.to(dtype)  # no copy when dtype is float32
         if dtype == torch.float32 and onednn_products_apply(hidden, weight):
             shape = torch.Size((hidden.shape[0], weight.shape[0]))
-            out = tied.empty_logits(shape, hidden.device) if tied is not None else hidden.new_empty(shape)
-            logits, lse = onednn_logits_and_lse(hidden, weight, out)
+            kept = tied.buffers.logits if tied is not None else None
+            logits, lse = onednn_logits_and_lse(hidden, weight, empty_float32(shape, hidden.device, kept))
         else:
             logits = row_aligned_mm(hidden, weight)  # (N, V); a float32 weight cast a block at a time
             lse = log_sum_exp(logits)
@@ -1078,11 +1074,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             tied = ctx.tied
-            grad_weight = (
-                tied.empty_gradient(weight)
-                if tied is not None
-                else weight.new_empty(weight.shape, dtype=torch.float32)
-            )
+            kept = tied.buffers.gradient if tied is not None else None
+            grad_weight = empty_float32(weight.shape, weight.device, kept)
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
         if not float32:  # each slice's weight is cast into the workspace, which keeps its largest size
             width = min(width, CAST_BLOCK_ROWS)
