@@ -432,14 +432,18 @@ class GPTPreTrainedModel(PreTrainedModel):
         return (positions * (input_ids != pad_id)).argmax(-1)
 
     def _embed_for_tied_head(
-        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, head_weight: torch.Tensor
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        head_weight: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, TiedHeadGradient | None]:
         """(input_ids, inputs_embeds, tied) for the base model, where the LM loss will run with `head_weight`.
 
         When that weight is the token embeddings' (as saved) and the loss runs `_LinearCrossEntropy` with
         gradients (CPU, float32 weights, autocast included), the embeddings are looked up here through `_TiedEmbedding`, with the `TiedHeadGradient` the loss hands the head's
         gradient to: (None, embeddings, tied). Elsewhere (an embedding module with hooks or options, such
-        as Trainer's NEFTune hook), the inputs unchanged and None."""
+        as Trainer's NEFTune hook; a head without a float weight, as an int8 decoding copy's), the inputs
+        unchanged and None."""
         wte = self.transformer.wte
         if (
             input_ids is None
@@ -731,7 +735,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         tied = None
         if fused_loss:
             input_ids, inputs_embeds, tied = self._embed_for_tied_head(
-                input_ids, inputs_embeds, self.lm_head.weight
+                input_ids, inputs_embeds, getattr(self.lm_head, "weight", None)
             )
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
@@ -939,7 +943,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             and input_ids is not None
         )
         ids, embeds, tied = (
-            self._embed_for_tied_head(input_ids, inputs_embeds, self.lm_head.weight)
+            self._embed_for_tied_head(input_ids, inputs_embeds, getattr(self.lm_head, "weight", None))
             if labels is not None or auxiliary_lm
             else (input_ids, inputs_embeds, None)
         )

@@ -8,7 +8,6 @@ agreement) beside float32.
 """
 
 import copy
-import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from . import native
 from .modeling_hfgpt import GPTPreTrainedModel
 from .ops_hfgpt import (
     FEW_ROWS,
@@ -62,6 +62,141 @@ def _bfloat16_onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         and (bias is None or bias.dtype == torch.bfloat16)
         and not needs_grad(x, weight, *([] if bias is None else [bias]))
     )
+
+
+# The int8 kernel's constants (modeling/csrc/int8_linear.c).
+INT8_BLOCK = 64  # inputs of a row that share one activation scale
+INT8_TILE = 32  # output channels packed together
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` ([rows, in], float32) as int8 values with one scale per `INT8_BLOCK` consecutive inputs of a
+    row, as the C kernel quantises them: s = max |x| / 127 over the block, q = round-half-even(x / s).
+    Returns q (float32 holding integers, zero-padded to a multiple of the block) and s ([rows, blocks])."""
+    rows, width = x.shape
+    padded = torch.zeros(rows, _round_up(width, INT8_BLOCK), dtype=torch.float32, device=x.device)
+    padded[:, :width] = x
+    blocks = padded.view(rows, -1, INT8_BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return q.clamp_(-127, 127).view(rows, -1), scale.squeeze(-1)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights (one scale per output channel, symmetric, as torch.ao's
+    per-channel qint8) and int8 activations with one scale per 64 consecutive inputs of a row, for CPU
+    inference.
+
+    The product runs in hfgpt's C kernel (`modeling/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has
+    it, built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
+    stream per 32 output channels, so one decoding step is bound by memory, not arithmetic (GPT-2's layer
+    weights at one row: 25.6 GB/s against 18.2 for torch.ao's fbgemm product, benchmarks/RESULTS.md).
+    Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per
+    64 inputs keep an outlier channel from flattening the rest of its row, which a scale per row (or per
+    batch, as fbgemm's dynamic quantisation) does.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.packed_in = _round_up(in_features, INT8_BLOCK)
+        expected = (_round_up(out_features, INT8_TILE) // INT8_TILE, self.packed_in // 4, INT8_TILE, 4)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
+            raise ValueError(
+                f"packed int8 weight must be uint8 of shape {expected}, not {packed.dtype} "
+                f"{tuple(packed.shape)}"
+            )
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Quantise a float `[out, in]` weight: scale = max |row| / 127, round half to even."""
+        out_features, in_features = weight.shape
+        weight = weight.detach().to(torch.float32)
+        scale = weight.abs().amax(1) / 127.0
+        q = torch.round(weight / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
+        biased = torch.full(
+            (_round_up(out_features, INT8_TILE), _round_up(in_features, INT8_BLOCK)), 128, dtype=torch.int16
+        )
+        biased[:out_features, :in_features] = q.to(torch.int16) + 128  # unsigned bytes for VPDPBUSD
+        packed = biased.to(torch.uint8).view(-1, INT8_TILE, biased.shape[1] // 4, 4).permute(0, 2, 1, 3)
+        return cls(in_features, out_features, packed.contiguous(), scale, bias)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The `[out, in]` int8 weight (before its per-channel scale)."""
+        rows = self.packed.permute(0, 2, 1, 3).reshape(-1, self.packed_in)
+        return (rows[: self.out_features, : self.in_features].to(torch.int16) - 128).to(torch.int8)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's arithmetic in torch (float32 sums in another order): the fallback and the tests'
+        reference."""
+        flat = x.reshape(-1, self.in_features).to(torch.float32)
+        q, s = quantize_activations(flat)
+        dequantized = (q.view(flat.shape[0], -1, INT8_BLOCK) * s[..., None]).view(flat.shape[0], -1)
+        out = F.linear(dequantized[:, : self.in_features], self.int8_weight().to(torch.float32)) * self.scale
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Int8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}"
+            )
+        library = native.kernel("int8_linear") if x.device.type == "cpu" else None
+        if library is None:
+            return self.reference(x)
+        flat = x.detach().reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or flat.stride(-1) != 1:
+            flat = flat.to(torch.float32).contiguous()
+        rows = flat.shape[0]
+        out = torch.empty(rows, self.out_features)
+        status = library.hfgpt_int8_linear(
+            flat.data_ptr(),
+            rows,
+            flat.stride(0),
+            self.in_features,
+            self.packed.data_ptr(),
+            self.out_features,
+            self.packed_in,
+            self.scale.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            self.out_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"Int8Linear: no memory for the int8 copy of a {tuple(flat.shape)} input")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def _to_int8(model: nn.Module) -> None:
+    """Replace each Conv1D and `nn.Linear` (the LM head included: it gets its own int8 copy of the tied
+    embeddings, which stay float32 for the lookup) by an `Int8Linear`, in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                setattr(module, name, Int8Linear.from_float(child.weight.t(), child.bias))
+            elif isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear.from_float(child.weight, child.bias))
 
 
 def _conv1d_to_linear(model: nn.Module, cls: type[nn.Linear] = nn.Linear) -> None:
@@ -135,10 +270,11 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       and the same greedy tokens, and decoding steps run faster (GPT-2 124M: 20.0 vs 24.3 ms a step at
       one row in benchmarks/RESULTS.md; 64 new tokens at eight rows, 3.33 vs 3.94 s). The copy holds a
       second set of weights: drop the original when memory matters.
-    - int8: torch.ao dynamic quantisation, which handles `nn.Linear` only. The LM head, tied to `wte`,
-      gets its own int8 copy while the embedding lookup stays float32. Weights get one scale per output
-      channel (a per-tensor scale costs ~4x more logit error on GPT-2 shapes); activations are
-      quantised per batch at run time.
+    - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
+      output channel, activations quantised at run time with one scale per 64 inputs, products in
+      hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
+      of the same arithmetic). The LM head, tied to `wte`, gets its own int8 copy while the embedding
+      lookup stays float32.
     - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
       products through oneDNN's linear op). For one row, the CPU's bfloat16 kernels read an `[out, in]`
       weight ~1.6x faster than Conv1D's `[in, out]` (768 x 3072: 159-174 vs 251-271 us, weights not in
@@ -162,15 +298,14 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
         _conv1d_to_linear(model, DecodingLinear)
         _head_to_decoding_linear(model)
         return _mark_decoding_copy(model.to(torch.bfloat16), dtype)
-    _conv1d_to_linear(model)
-    with warnings.catch_warnings():
-        # torch.ao's eager quantisation is deprecated in favour of torchao (not a dependency); it ships
-        # and works in the torch versions this project supports.
-        warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        quantized = quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    return _mark_decoding_copy(quantized, dtype)
+    _to_int8(model)
+    return _mark_decoding_copy(model, dtype)
 
 
-__all__ = ["DecodingLinear", "decoding_copy_error", "quantize_for_decoding"]
+__all__ = [
+    "DecodingLinear",
+    "Int8Linear",
+    "decoding_copy_error",
+    "quantize_activations",
+    "quantize_for_decoding",
+]

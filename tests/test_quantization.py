@@ -9,7 +9,7 @@ import torch
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import ExportError, to_transformers
-from hfgpt.modeling.quantization import DecodingLinear, quantize_for_decoding
+from hfgpt.modeling.quantization import DecodingLinear, Int8Linear, quantize_for_decoding
 
 
 @pytest.fixture
@@ -33,6 +33,17 @@ def test_int8_copy_is_close_and_leaves_the_model_untouched(model):
     assert 0 < error < 0.05  # int8 changes the numbers, a little
     out = quantized.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
     assert out.shape == (2, 17)
+
+
+def test_int8_copy_has_int8_layers_everywhere_and_computes_a_loss(model):
+    quantized = quantize_for_decoding(model)
+    int8 = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == 4 * 2 + 1  # c_attn, c_proj, c_fc, mlp c_proj per block, and the LM head
+    assert quantized.transformer.wte.weight.dtype == torch.float32  # the lookup stays float32
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        loss, reference = quantized(ids, labels=ids).loss, model(ids, labels=ids).loss
+    assert 0 < abs(loss - reference) < 0.01 * reference
 
 
 def test_refuses_what_it_cannot_quantize(model):

@@ -1,0 +1,177 @@
+/* hfgpt's int8 linear layer for CPU decoding: y = x W^T + b with W in int8 (one scale per output
+ * channel) and x quantised to int8 at run time with one scale per BLOCK consecutive inputs of a row.
+ *
+ * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp); its OpenMP calls use the
+ * runtime torch has loaded. `Int8Linear` in quantization.py packs the weights and holds the reference
+ * implementation in torch that the tests compare this file against.
+ *
+ * Layout of the packed weight (uint8, W + 128), for TILE = 32 output channels at a time:
+ *     [ceil(out / TILE)][inp / 4][TILE][4],  inp = in rounded up to BLOCK,
+ * padded with 128 (a zero weight). A tile of 32 outputs is then one contiguous stream, read 128 bytes
+ * (4 inputs of 32 outputs) at a time by two VPDPBUSD instructions (unsigned weight bytes times signed
+ * activation bytes, four products summed into each of 16 int32 lanes).
+ *
+ * Per row r and block b of BLOCK inputs, with sx[r, b] = max |x[r, b*BLOCK ...]| / 127 and
+ * q = round-half-even(x / sx) in [-127, 127]:
+ *     y[r, o] = scale[o] * (sum_b sx[r, b] * sum_{i in b} (W[o, i] + 128) q[r, i] - corr[r]) + bias[o]
+ *     corr[r] = 128 * sum_b sx[r, b] * sum_{i in b} q[r, i]
+ * The int32 sums of a block hold at most 64 * 255 * 127; the float sums run over blocks in order, each
+ * output computed by one thread, so the result does not depend on the number of threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64
+#define TILE 32
+#define ROWS 4
+#define LAYOUT_VERSION 1
+
+int hfgpt_int8_layout_version(void) { return LAYOUT_VERSION; }
+
+int hfgpt_int8_vectorized(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One row: xq[0 .. inp) (zero past `in`), sx[0 .. inp / BLOCK), returns the row's correction. */
+static float quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, float *sx)
+{
+    double corr = 0.0;
+    for (int64_t b = 0; b < inp / BLOCK; b++) {
+        int64_t lo = b * BLOCK, hi = lo + BLOCK < in ? lo + BLOCK : in;
+        float m = 0.0f;
+        for (int64_t i = lo; i < hi; i++) {
+            float a = fabsf(x[i]);
+            m = a > m ? a : m;
+        }
+        float s = m / 127.0f;
+        int32_t sum = 0;
+        for (int64_t i = lo; i < lo + BLOCK; i++) {
+            int32_t q = (i < hi && s > 0.0f) ? (int32_t)nearbyintf(x[i] / s) : 0;
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            xq[i] = (int8_t)q;
+            sum += q;
+        }
+        sx[b] = s;
+        corr += (double)s * (double)sum;
+    }
+    return (float)(128.0 * corr);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) void tile(
+    const int8_t *xq, const float *sx, const float *corr, int64_t inp, const uint8_t *w,
+    const float *scale, const float *bias, float *y, int64_t ldy, int64_t o0, int64_t out, const int nr)
+{
+    const int64_t nb = inp / BLOCK;
+    __m512 acc[ROWS][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[ROWS][2];
+        for (int r = 0; r < nr; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        const uint8_t *wb = w + b * (BLOCK / 4) * TILE * 4;
+        const int8_t *xb = xq + b * BLOCK;
+        for (int g = 0; g < BLOCK / 4; g++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(wb + g * TILE * 4));
+            __m512i w1 = _mm512_loadu_si512((const void *)(wb + g * TILE * 4 + 64));
+            for (int r = 0; r < nr; r++) {
+                int32_t four;
+                memcpy(&four, xb + r * inp + g * 4, 4);
+                __m512i xv = _mm512_set1_epi32(four);
+                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xv);
+                dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xv);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            __m512 s = _mm512_set1_ps(sx[r * nb + b]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), s, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), s, acc[r][1]);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        int64_t o = o0 + 16 * h;
+        if (o >= out) break;
+        __mmask16 m = out - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out - o)) - 1u);
+        __m512 sc = _mm512_maskz_loadu_ps(m, scale + o);
+        __m512 bi = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
+        for (int r = 0; r < nr; r++) {
+            __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r][h], _mm512_set1_ps(corr[r])), sc, bi);
+            _mm512_mask_storeu_ps(y + r * ldy + o, m, v);
+        }
+    }
+}
+
+static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int64_t rows, int64_t inp,
+                      const uint8_t *w, const float *scale, const float *bias, float *y, int64_t ldy,
+                      int64_t o0, int64_t out)
+{
+    const int64_t nb = inp / BLOCK;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+        const int8_t *x = xq + r0 * inp;
+        const float *s = sx + r0 * nb;
+        float *yr = y + r0 * ldy;
+        switch (rows - r0 < ROWS ? rows - r0 : ROWS) {
+        case 1: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 1); break;
+        case 2: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 2); break;
+        case 3: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 3); break;
+        default: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 4); break;
+        }
+    }
+}
+#else
+/* Portable version of the same arithmetic (the compiler vectorises what it can). */
+static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int64_t rows, int64_t inp,
+                      const uint8_t *w, const float *scale, const float *bias, float *y, int64_t ldy,
+                      int64_t o0, int64_t out)
+{
+    const int64_t nb = inp / BLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t dot[TILE] = {0};
+            for (int64_t g = b * BLOCK / 4; g < (b + 1) * BLOCK / 4; g++)
+                for (int j = 0; j < TILE; j++)
+                    for (int q = 0; q < 4; q++)
+                        dot[j] += (int32_t)w[(g * TILE + j) * 4 + q] * (int32_t)xq[r * inp + g * 4 + q];
+            for (int j = 0; j < TILE; j++) acc[j] += (float)dot[j] * sx[r * nb + b];
+        }
+        for (int j = 0; j < TILE && o0 + j < out; j++)
+            y[r * ldy + o0 + j] = (acc[j] - corr[r]) * scale[o0 + j] + (bias ? bias[o0 + j] : 0.0f);
+    }
+}
+#endif
+
+/* y[r * ldy + o] for r < rows, o < out. Returns 0, or 1 where scratch memory could not be allocated. */
+int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, const uint8_t *w, int64_t out,
+                      int64_t inp, const float *scale, const float *bias, float *y, int64_t ldy, int threads)
+{
+    if (rows <= 0 || out <= 0) return 0;
+    int8_t *xq = (int8_t *)malloc((size_t)(rows * inp));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(rows * (inp / BLOCK)));
+    float *corr = (float *)malloc(sizeof(float) * (size_t)rows);
+    if (!xq || !sx || !corr) {
+        free(xq), free(sx), free(corr);
+        return 1;
+    }
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    const int64_t tile_bytes = (inp / 4) * TILE * 4;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            corr[r] = quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            tile_rows(xq, sx, corr, rows, inp, w + t * tile_bytes, scale, bias, y, ldy, t * TILE, out);
+    }
+    free(xq), free(sx), free(corr);
+    return 0;
+}

@@ -1,0 +1,151 @@
+"""hfgpt's C kernels (`modeling/csrc/`), built on first use with the machine's C compiler and loaded with
+ctypes: no build step at install time and no torch headers, so a build takes about a second.
+
+The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
+`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, the flags, the
+compiler's version and the CPU's flags, so a changed source or another machine sharing the folder builds
+its own copy. It is written under a temporary name and renamed into place, so that two processes
+building at once (pytest-xdist) never load a half-written file.
+
+Its OpenMP calls use the runtime torch has already loaded (`libgomp.so.1` on Linux): one pool of
+threads, no oversubscription. Where there is no compiler, or `HFGPT_NATIVE=0`, `kernel()` returns None
+once with a warning naming the command and its error, and callers use their torch implementation of the
+same arithmetic.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LAYOUT_VERSION = 1  # hfgpt_int8_layout_version() of csrc/int8_linear.c
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# name -> (restype, argtypes) of every function a library must export
+SIGNATURES = {
+    "int8_linear": {
+        "hfgpt_int8_layout_version": (ctypes.c_int, []),
+        "hfgpt_int8_vectorized": (ctypes.c_int, []),
+        # x, rows, ldx, in, packed w, out, inp, scale, bias, y, ldy, threads
+        "hfgpt_int8_linear": (
+            ctypes.c_int,
+            [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, ctypes.c_int],
+        ),
+    }
+}
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    if os.environ.get("HFGPT_CACHE_DIR"):
+        return Path(os.environ["HFGPT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hfgpt"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
+    """Compile `csrc/{name}.c` (once per source, flags, compiler and CPU) and return the library's path.
+    Raises `NativeBuildError` naming the command and the compiler's message."""
+    source = SOURCE_DIR / f"{name}.c"
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        raise NativeBuildError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another one)")
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeBuildError(f"{compiler} --version failed: {error}") from error
+    key = hashlib.sha256()
+    for part in (
+        source.read_bytes(),
+        " ".join(flags).encode(),
+        "".join(version).encode(),
+        _cpu_flags().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    directory = cache_dir() if directory is None else directory
+    target = directory / f"{name}-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=directory)
+        os.close(fd)
+    except OSError as error:
+        raise NativeBuildError(f"cannot write the compiled kernel into {directory}: {error}") from error
+    command = [compiler, *flags, "-o", tmp, str(source)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            message = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
+            raise NativeBuildError(f"`{' '.join(command)}` failed (exit {result.returncode}):\n{message}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeBuildError(f"`{' '.join(command)}` failed: {error}") from error
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(path: Path, name: str) -> ctypes.CDLL:
+    """Load a library built by `build(name)` and declare its functions; checks the weight layout."""
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded first, for the library to share it)
+
+    library = ctypes.CDLL(str(path))
+    for function, (restype, argtypes) in SIGNATURES[name].items():
+        getattr(library, function).restype = restype
+        getattr(library, function).argtypes = argtypes
+    if name == "int8_linear" and library.hfgpt_int8_layout_version() != LAYOUT_VERSION:
+        raise NativeBuildError(
+            f"{path} packs weights in layout {library.hfgpt_int8_layout_version()}, not {LAYOUT_VERSION}"
+        )
+    return library
+
+
+@functools.cache
+def kernel(name: str) -> ctypes.CDLL | None:
+    """The library `csrc/{name}.c`, built if needed; None (with one warning) where it cannot be built or
+    `HFGPT_NATIVE=0`."""
+    if os.environ.get("HFGPT_NATIVE", "1") == "0":
+        return None
+    try:
+        return load(build(name), name)
+    except (NativeBuildError, OSError, AttributeError) as error:
+        warnings.warn(
+            f"hfgpt's C kernel {name} is not available, so the slower torch implementation of the same "
+            f"arithmetic runs instead: {error}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+__all__ = ["NativeBuildError", "build", "cache_dir", "kernel", "load"]

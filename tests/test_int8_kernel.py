@@ -1,0 +1,166 @@
+"""hfgpt's int8 linear kernel (modeling/csrc/int8_linear.c, built by modeling/native.py) against the torch
+reference of the same arithmetic, and the builder's caching and failure paths."""
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfgpt.modeling import native
+from hfgpt.modeling.quantization import INT8_BLOCK, Int8Linear, quantize_activations
+
+SHAPES = [(1, 1), (37, 45), (33, 64), (64, 200), (96, 130)]  # (out, in): tails of tiles and blocks
+ROWS = [1, 2, 3, 4, 5, 9]
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_cache():
+    native.kernel.cache_clear()
+    yield
+    native.kernel.cache_clear()
+
+
+def _layer(out: int, inp: int, bias: bool = True, seed: int = 0) -> Int8Linear:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inp, generator=generator) * 0.02
+    return Int8Linear.from_float(weight, torch.randn(out, generator=generator) if bias else None)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # float32 sums in another order; the integer products are exact on both sides
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.parametrize("out,inp", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_matches_the_torch_reference(out, inp, bias):
+    assert native.kernel("int8_linear") is not None  # this machine has a C compiler: the kernel runs
+    layer = _layer(out, inp, bias)
+    for rows in ROWS:
+        x = torch.randn(rows, inp) * 3
+        _close(layer(x), layer.reference(x))
+
+
+def test_kernel_result_does_not_depend_on_the_thread_count():
+    layer = _layer(100, 300)
+    x = torch.randn(7, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_portable_build_matches_too(tmp_path):
+    """The C file's portable path (no AVX-512 VNNI), built here without -march=native."""
+    flags = tuple(f for f in native.FLAGS if f != "-march=native")
+    library = native.load(native.build("int8_linear", flags, tmp_path), "int8_linear")
+    assert library.hfgpt_int8_vectorized() == 0
+    layer = _layer(70, 130)
+    x = torch.randn(5, 130)
+    y = torch.empty(5, 70)
+    status = library.hfgpt_int8_linear(
+        x.data_ptr(), 5, 130, 130, layer.packed.data_ptr(), 70, layer.packed_in,
+        layer.scale.data_ptr(), layer.bias.data_ptr(), y.data_ptr(), 70, 2,
+    )  # fmt: skip
+    assert status == 0
+    _close(y, layer.reference(x))
+
+
+def test_native_build_is_vectorized_where_the_cpu_has_vnni():
+    library = native.kernel("int8_linear")
+    assert library.hfgpt_int8_vectorized() == int(_cpu_has_vnni())
+
+
+def test_inputs_of_any_layout_and_leading_shape():
+    layer = _layer(48, 96)
+    x = torch.randn(2, 3, 192)[..., ::2]  # strided last dimension
+    assert layer(x).shape == (2, 3, 48)
+    _close(layer(x), layer.reference(x.contiguous()))
+    _close(layer(x.double()), layer.reference(x))
+    assert layer(torch.empty(0, 96)).shape == (0, 48)
+
+
+def test_quantisation_is_close_to_the_float_product_and_blocks_contain_an_outlier():
+    torch.manual_seed(0)
+    weight = torch.randn(256, 768) * 0.02
+    layer = Int8Linear.from_float(weight)
+    x = torch.randn(4, 768)
+    exact = F.linear(x, weight)
+    assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.02
+    # One input channel 200x larger than the rest, as in GPT-2's residual stream: with one scale per row
+    # the other channels would keep ~1 bit; with one scale per 64 inputs only its block loses precision.
+    x[:, 5] = 200.0
+    q, s = quantize_activations(x)
+    blockwise = (q.view(4, -1, INT8_BLOCK) * s[..., None]).view(4, -1)
+    row_scale = x.abs().amax(1, keepdim=True) / 127
+    per_row = torch.round(x / row_scale) * row_scale
+    rest = torch.ones(768, dtype=torch.bool)
+    rest[:INT8_BLOCK] = False
+    assert (blockwise - x)[:, rest].abs().max() < 0.05 * (per_row - x)[:, rest].abs().max()
+
+
+def test_int8_weight_round_trips_and_bad_input_is_named():
+    weight = torch.randn(40, 70)
+    layer = Int8Linear.from_float(weight)
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    assert torch.equal(layer.int8_weight(), torch.round(weight / scale).to(torch.int8))
+    with pytest.raises(ValueError, match=r"expects 70 input features, got shape \(3, 71\)"):
+        layer(torch.randn(3, 71))
+    with pytest.raises(ValueError, match="packed int8 weight must be uint8 of shape"):
+        Int8Linear(70, 40, layer.packed.view(torch.int8), layer.scale, None)
+
+
+def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
+    first = native.build("int8_linear", directory=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build("int8_linear", directory=tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_without_a_compiler_the_reference_runs_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path / "cache"))
+    layer = _layer(20, 30)
+    x = torch.randn(3, 30)
+    with pytest.warns(RuntimeWarning, match="no C compiler: .*no-such-cc.* is not on PATH"):
+        got = layer(x)
+    assert torch.equal(got, layer.reference(x))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_failing_compile_is_reported_with_its_command(monkeypatch, tmp_path):
+    script = tmp_path / "badcc"
+    script.write_text("#!/bin/sh\necho 'cc: error: something broke' >&2\nexit 3\n")
+    os.chmod(script, 0o755)
+    monkeypatch.setenv("CC", str(script))
+    with pytest.raises(native.NativeBuildError, match=r"(?s)badcc -O3 .*failed \(exit 3\).*something broke"):
+        native.build("int8_linear", directory=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # the temporary output was removed
+
+
+def test_hfgpt_native_0_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("HFGPT_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off on purpose: no warning
+        assert native.kernel("int8_linear") is None
+        layer = _layer(8, 16)
+        x = torch.randn(2, 16)
+        assert torch.equal(layer(x), layer.reference(x))
