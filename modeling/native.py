@@ -34,6 +34,8 @@ SIGNATURES = {
     "int8_linear": {
         "hfgpt_int8_layout_version": (ctypes.c_int, []),
         "hfgpt_int8_vectorized": (ctypes.c_int, []),
+        # x, rows, ldx, in, inp, xq, sx, corr
+        "hfgpt_int8_quantize_rows": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
         # x, rows, ldx, in, packed w, out, inp, scale, bias, y, ldy, threads
         "hfgpt_int8_linear": (
             ctypes.c_int,

@@ -53,6 +53,39 @@ def test_kernel_matches_the_torch_reference(out, inp, bias):
         _close(layer(x), layer.reference(x))
 
 
+def _c_quantize(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, width = x.shape
+    padded = -(-width // INT8_BLOCK) * INT8_BLOCK
+    q, s = torch.empty(rows, padded, dtype=torch.int8), torch.empty(rows, padded // INT8_BLOCK)
+    corr = torch.empty(rows)
+    library.hfgpt_int8_quantize_rows(
+        x.data_ptr(), rows, width, width, padded, q.data_ptr(), s.data_ptr(), corr.data_ptr()
+    )
+    return q, s, corr
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_activation_quantisation_is_bit_exact(portable, tmp_path):
+    """The C kernel's int8 activations and scales equal `quantize_activations` exactly, ties to even
+    included (x / s = k + 0.5), in whole blocks (vectorised) and in a partial last block."""
+    if portable:
+        flags = tuple(f for f in native.FLAGS if f != "-march=native")
+        library = native.load(native.build("int8_linear", flags, tmp_path), "int8_linear")
+    else:
+        library = native.kernel("int8_linear")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=generator) * torch.logspace(-3, 3, 6)[:, None]
+    x[0, :64] = torch.arange(64) - 31.5  # max 32.5 ... several exact halves after scaling
+    x[1, :64] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 8)  # s = 1: ties
+    x[2, 64:128] = 0.0  # an all-zero block
+    q, s, corr = _c_quantize(library, x)
+    want_q, want_s = quantize_activations(x)
+    assert torch.equal(q.float(), want_q)
+    assert torch.equal(s, want_s)
+    sums = want_q.view(6, -1, INT8_BLOCK).sum(-1).double()
+    torch.testing.assert_close(corr.double(), 128 * (want_s.double() * sums).sum(-1), rtol=1e-6, atol=1e-6)
+
+
 def test_kernel_result_does_not_depend_on_the_thread_count():
     layer = _layer(100, 300)
     x = torch.randn(7, 300)

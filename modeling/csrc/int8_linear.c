@@ -30,14 +30,36 @@
 
 int hfgpt_int8_layout_version(void) { return LAYOUT_VERSION; }
 
-int hfgpt_int8_vectorized(void)
-{
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 1;
-#else
-    return 0;
-#endif
+#include <immintrin.h>
+#define VECTORIZED 1
+/* A whole block of BLOCK (64) inputs: the same divisions and round-half-even as the portable loop. */
+static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
+{
+    __m512 v[4];
+    for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(x + 16 * j);
+    __m512 a = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
+                             _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
+    float s = _mm512_reduce_max_ps(a) / 127.0f;
+    *s_out = s;
+    if (!(s > 0.0f)) {
+        memset(xq, 0, BLOCK);
+        return 0;
+    }
+    __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128((__m128i *)(xq + 16 * j), _mm512_cvtsepi32_epi8(q));
+    }
+    return _mm512_reduce_add_epi32(sum);
 }
+#else
+#define VECTORIZED 0
+#endif
 
 /* One row: xq[0 .. inp) (zero past `in`), sx[0 .. inp / BLOCK), returns the row's correction. */
 static float quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, float *sx)
@@ -45,6 +67,13 @@ static float quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, f
     double corr = 0.0;
     for (int64_t b = 0; b < inp / BLOCK; b++) {
         int64_t lo = b * BLOCK, hi = lo + BLOCK < in ? lo + BLOCK : in;
+#if VECTORIZED
+        if (hi - lo == BLOCK) {
+            int32_t sum = quantize_block(x + lo, xq + lo, sx + b);
+            corr += (double)sx[b] * (double)sum;
+            continue;
+        }
+#endif
         float m = 0.0f;
         for (int64_t i = lo; i < hi; i++) {
             float a = fabsf(x[i]);
@@ -64,8 +93,7 @@ static float quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, f
     return (float)(128.0 * corr);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#if VECTORIZED
 
 static inline __attribute__((always_inline)) void tile(
     const int8_t *xq, const float *sx, const float *corr, int64_t inp, const uint8_t *w,
@@ -148,6 +176,16 @@ static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int6
     }
 }
 #endif
+
+int hfgpt_int8_vectorized(void) { return VECTORIZED; }
+
+/* The activation quantisation alone (for tests): xq [rows, inp], sx [rows, inp / BLOCK], corr [rows]. */
+void hfgpt_int8_quantize_rows(const float *x, int64_t rows, int64_t ldx, int64_t in, int64_t inp, int8_t *xq,
+                              float *sx, float *corr)
+{
+    for (int64_t r = 0; r < rows; r++)
+        corr[r] = quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK));
+}
 
 /* y[r * ldy + o] for r < rows, o < out. Returns 0, or 1 where scratch memory could not be allocated. */
 int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, const uint8_t *w, int64_t out,
