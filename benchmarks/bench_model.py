@@ -453,7 +453,7 @@ def _no_grad(fn: Callable, *args: Any) -> Any:
 
 
 def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
-    """Decoding copies (B=1): bfloat16 weights, int8 dynamic quantisation and, on the CPU, the float32
+    """Decoding copies (B=1): bfloat16 weights, int8 (`Int8Linear`) and, on the CPU, the float32
     `DecodingLinear` copy (all from `quantize_for_decoding`), against float32 hfgpt and transformers,
     with the accuracy cost: logit error on a prefill and greedy agreement."""
     new = ctx.profile["new_tokens"]

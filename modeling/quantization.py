@@ -95,7 +95,7 @@ class Int8Linear(nn.Module):
     The product runs in hfgpt's C kernel (`modeling/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has
     it, built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
     stream per 32 output channels, so one decoding step is bound by memory, not arithmetic (GPT-2's layer
-    weights at one row: 25.6 GB/s against 18.2 for torch.ao's fbgemm product, benchmarks/RESULTS.md).
+    weights at one row: 26.8 GB/s against 19.4 for torch.ao's fbgemm product, benchmarks/RESULTS.md).
     Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per
     64 inputs keep an outlier channel from flattening the rest of its row, which a scale per row (or per
     batch, as fbgemm's dynamic quantisation) does.
