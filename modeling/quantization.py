@@ -81,10 +81,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width = x.shape
     padded = torch.zeros(rows, _round_up(width, INT8_BLOCK), dtype=torch.float32, device=x.device)
     padded[:, :width] = x
-    blocks = padded.view(rows, -1, INT8_BLOCK)
+    blocks = padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127.0
     q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return q.clamp_(-127, 127).view(rows, -1), scale.squeeze(-1)
+    return q.clamp_(-127, 127).view(padded.shape), scale.squeeze(-1)
 
 
 class Int8Linear(nn.Module):
@@ -136,6 +136,17 @@ class Int8Linear(nn.Module):
         packed = biased.to(torch.uint8).view(-1, INT8_TILE, biased.shape[1] // 4, 4).permute(0, 2, 1, 3)
         return cls(in_features, out_features, packed.contiguous(), scale, bias)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        # `.half()`, `.double()`, `.to(dtype)` convert floating buffers: the kernel reads float32 scales
+        # and biases, so they stay float32 (the packed weight is uint8, which those leave alone).
+        kept = {name: self._buffers[name] for name in ("scale", "bias")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != torch.float32:
+                self._buffers[name] = before.to(after.device)  # float32 as it was, on the new device
+        return self
+
     def int8_weight(self) -> torch.Tensor:
         """The `[out, in]` int8 weight (before its per-channel scale)."""
         rows = self.packed.permute(0, 2, 1, 3).reshape(-1, self.packed_in)
@@ -146,7 +157,7 @@ class Int8Linear(nn.Module):
         reference."""
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         q, s = quantize_activations(flat)
-        dequantized = (q.view(flat.shape[0], -1, INT8_BLOCK) * s[..., None]).view(flat.shape[0], -1)
+        dequantized = (q.view(*s.shape, INT8_BLOCK) * s[..., None]).view(q.shape)
         out = F.linear(dequantized[:, : self.in_features], self.int8_weight().to(torch.float32)) * self.scale
         if self.bias is not None:
             out += self.bias

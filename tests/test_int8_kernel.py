@@ -2,6 +2,7 @@
 reference of the same arithmetic, and the builder's caching and failure paths."""
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import torch.nn.functional as F
 
 from hfgpt.modeling import native
 from hfgpt.modeling.quantization import INT8_BLOCK, Int8Linear, quantize_activations
+
+# The kernel is built with the machine's C compiler (CI has one). Without it hfgpt falls back to the torch
+# reference, which the other tests here exercise.
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the int8 kernel with"
+)
 
 SHAPES = [(1, 1), (37, 45), (33, 64), (64, 200), (96, 130)]  # (out, in): tails of tiles and blocks
 ROWS = [1, 2, 3, 4, 5, 9]
@@ -45,6 +52,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("out,inp", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
+@needs_cc
 def test_kernel_matches_the_torch_reference(out, inp, bias):
     assert native.kernel("int8_linear") is not None  # this machine has a C compiler: the kernel runs
     layer = _layer(out, inp, bias)
@@ -64,6 +72,7 @@ def _c_quantize(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, s, corr
 
 
+@needs_cc
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_activation_quantisation_is_bit_exact(portable, tmp_path):
     """The C kernel's int8 activations and scales equal `quantize_activations` exactly, ties to even
@@ -86,6 +95,7 @@ def test_activation_quantisation_is_bit_exact(portable, tmp_path):
     torch.testing.assert_close(corr.double(), 128 * (want_s.double() * sums).sum(-1), rtol=1e-6, atol=1e-6)
 
 
+@needs_cc
 def test_kernel_result_does_not_depend_on_the_thread_count():
     layer = _layer(100, 300)
     x = torch.randn(7, 300)
@@ -100,6 +110,7 @@ def test_kernel_result_does_not_depend_on_the_thread_count():
     assert torch.equal(one, two)
 
 
+@needs_cc
 def test_portable_build_matches_too(tmp_path):
     """The C file's portable path (no AVX-512 VNNI), built here without -march=native."""
     flags = tuple(f for f in native.FLAGS if f != "-march=native")
@@ -116,6 +127,7 @@ def test_portable_build_matches_too(tmp_path):
     _close(y, layer.reference(x))
 
 
+@needs_cc
 def test_native_build_is_vectorized_where_the_cpu_has_vnni():
     library = native.kernel("int8_linear")
     assert library.hfgpt_int8_vectorized() == int(_cpu_has_vnni())
@@ -149,6 +161,17 @@ def test_quantisation_is_close_to_the_float_product_and_blocks_contain_an_outlie
     assert (blockwise - x)[:, rest].abs().max() < 0.05 * (per_row - x)[:, rest].abs().max()
 
 
+def test_dtype_conversions_keep_the_float32_scales_the_kernel_reads():
+    layer = _layer(40, 70)
+    x = torch.randn(3, 70)
+    want = layer(x)
+    for convert in (torch.nn.Module.half, torch.nn.Module.double, lambda m: m.to(torch.bfloat16)):
+        convert(layer)
+        assert layer.scale.dtype == layer.bias.dtype == torch.float32
+        assert layer.packed.dtype == torch.uint8
+        assert torch.equal(layer(x), want)
+
+
 def test_int8_weight_round_trips_and_bad_input_is_named():
     weight = torch.randn(40, 70)
     layer = Int8Linear.from_float(weight)
@@ -160,6 +183,7 @@ def test_int8_weight_round_trips_and_bad_input_is_named():
         Int8Linear(70, 40, layer.packed.view(torch.int8), layer.scale, None)
 
 
+@needs_cc
 def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     first = native.build("int8_linear", directory=tmp_path)
     stamp = first.stat().st_mtime_ns
