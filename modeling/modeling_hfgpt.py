@@ -479,7 +479,7 @@ class GPTPreTrainedModel(PreTrainedModel):
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        head_weight: torch.Tensor,
+        head: nn.Module | torch.Tensor,
         tied: TiedHeadGradient | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """GPT-1's auxiliary LM objective L1 on the task inputs (Radford et al. 2018, §3.2, train.py `model`):
@@ -487,8 +487,10 @@ class GPTPreTrainedModel(PreTrainedModel):
         M[:, 1:]), then over sequences. Returns the LM logits at every position and L1. One deliberate
         difference: train.py's single matrix `we` also holds the position rows, so its softmax normalises
         over them too; here it runs over the vocabulary only, as every LM head in transformers does
-        (targets are never positions)."""
-        if head_weight.is_meta and not hidden_states.is_meta:
+        (targets are never positions). `head` is the LM head or its weight; a head without a float weight
+        (an int8 decoding copy's) computes the logits itself and the loss follows from them."""
+        head_weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
+        if isinstance(head_weight, torch.Tensor) and head_weight.is_meta and not hidden_states.is_meta:
             # accelerate's offloading (device_map) keeps it there outside the module's own call; a product
             # of real hidden states with it would not fail but return garbage.
             raise ValueError(
@@ -506,13 +508,14 @@ class GPTPreTrainedModel(PreTrainedModel):
             mask = torch.ones_like(targets, dtype=torch.float32)
         # Each counted next token weighs 1 / (its sequence's count) / (the number of sequences); the last
         # position, which has no next token, weighs 0 (so one head product gives every position's logits).
-        weights = F.pad(mask / mask.sum(-1, keepdim=True).clamp(min=1) / len(targets), (0, 1))
+        weights = F.pad(mask / mask.sum(-1, keepdim=True).clamp(min=1) / len(targets), (0, 1)).reshape(-1)
+        flat_targets = F.pad(targets, (0, 1)).reshape(-1)
+        if not isinstance(head_weight, torch.Tensor):
+            logits = project_to_vocab(hidden_states, head)
+            losses = F.cross_entropy(logits.reshape(len(weights), -1).float(), flat_targets, reduction="none")
+            return logits, (losses * weights).sum()
         logits, loss = weighted_lm_loss(
-            hidden_states.reshape(-1, hidden_states.shape[-1]),
-            head_weight,
-            F.pad(targets, (0, 1)).reshape(-1),
-            weights.reshape(-1),
-            tied,
+            hidden_states.reshape(-1, hidden_states.shape[-1]), head_weight, flat_targets, weights, tied
         )
         return logits.view(*hidden_states.shape[:-1], -1), loss
 
@@ -975,7 +978,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             )
         elif auxiliary_lm:
             lm_logits, lm_loss = self._auxiliary_lm_loss(
-                hidden, input_ids, attention_mask, self.lm_head.weight, tied
+                hidden, input_ids, attention_mask, self.lm_head, tied
             )
         else:
             lm_logits = project_to_vocab(hidden, self.lm_head)

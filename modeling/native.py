@@ -7,10 +7,12 @@ compiler's version and the CPU's flags, so a changed source or another machine s
 its own copy. It is written under a temporary name and renamed into place, so that two processes
 building at once (pytest-xdist) never load a half-written file.
 
-Its OpenMP calls use the runtime torch has already loaded (`libgomp.so.1` on Linux): one pool of
-threads, no oversubscription. Where there is no compiler, or `HFGPT_NATIVE=0`, `kernel()` returns None
-once with a warning naming the command and its error, and callers use their torch implementation of the
-same arithmetic.
+Its OpenMP calls use the runtime torch has already loaded where both are GNU's (`libgomp.so.1`, as
+torch's Linux wheels and gcc have): one pool of threads. A compiler with another OpenMP runtime (clang's
+libomp) still works, with a second pool beside torch's. Where there is no compiler, `kernel()` returns
+None after one warning naming the command and its error, and callers use their torch implementation of
+the same arithmetic; `HFGPT_NATIVE=0` (read at the first call) does the same without a warning.
+`CC` may hold arguments (`CC="ccache gcc"`).
 """
 
 import ctypes
@@ -18,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -26,7 +29,7 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LAYOUT_VERSION = 1  # hfgpt_int8_layout_version() of csrc/int8_linear.c
+LAYOUT_VERSION = 2  # hfgpt_int8_layout_version() of csrc/int8_linear.c
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # name -> (restype, argtypes) of every function a library must export
@@ -34,7 +37,7 @@ SIGNATURES = {
     "int8_linear": {
         "hfgpt_int8_layout_version": (ctypes.c_int, []),
         "hfgpt_int8_vectorized": (ctypes.c_int, []),
-        # x, rows, ldx, in, inp, xq, sx, corr
+        # x, rows, ldx, in, inp, xq, sx, qsum
         "hfgpt_int8_quantize_rows": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
         # x, rows, ldx, in, packed w, out, inp, scale, bias, y, ldy, threads
         "hfgpt_int8_linear": (
@@ -56,8 +59,8 @@ def cache_dir() -> Path:
     return Path(base) / "hfgpt"
 
 
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "")) or ["cc"]
 
 
 def _cpu_flags() -> str:
@@ -75,14 +78,14 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
     Raises `NativeBuildError` naming the command and the compiler's message."""
     source = SOURCE_DIR / f"{name}.c"
     compiler = _compiler()
-    if shutil.which(compiler) is None:
-        raise NativeBuildError(f"no C compiler: {compiler!r} is not on PATH (set CC to use another one)")
+    if shutil.which(compiler[0]) is None:
+        raise NativeBuildError(f"no C compiler: {compiler[0]!r} is not on PATH (set CC to use another one)")
     try:
         version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=60
+            [*compiler, "--version"], capture_output=True, text=True, errors="replace", timeout=60
         ).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as error:
-        raise NativeBuildError(f"{compiler} --version failed: {error}") from error
+        raise NativeBuildError(f"{' '.join(compiler)} --version failed: {error}") from error
     key = hashlib.sha256()
     for part in (
         source.read_bytes(),
@@ -102,9 +105,9 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
         os.close(fd)
     except OSError as error:
         raise NativeBuildError(f"cannot write the compiled kernel into {directory}: {error}") from error
-    command = [compiler, *flags, "-o", tmp, str(source)]
+    command = [*compiler, *flags, "-o", tmp, str(source)]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=300)
         if result.returncode != 0:
             message = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
             raise NativeBuildError(f"`{' '.join(command)}` failed (exit {result.returncode}):\n{message}")

@@ -77,20 +77,23 @@ def _round_up(n: int, multiple: int) -> int:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` ([rows, in], float32) as int8 values with one scale per `INT8_BLOCK` consecutive inputs of a
     row, as the C kernel quantises them: s = max |x| / 127 over the block, q = round-half-even(x / s).
-    Returns q (float32 holding integers, zero-padded to a multiple of the block) and s ([rows, blocks])."""
+    Returns q (float32 holding integers, zero-padded to a multiple of the block) and s ([rows, blocks]);
+    a block holding a NaN or an infinity gets s = NaN and q = 0, so the products come out NaN."""
     rows, width = x.shape
     padded = torch.zeros(rows, _round_up(width, INT8_BLOCK), dtype=torch.float32, device=x.device)
     padded[:, :width] = x
     blocks = padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    peak = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(peak.isfinite(), peak / 127.0, torch.nan)  # NaN (q = 0) for a NaN or an inf
     q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
     return q.clamp_(-127, 127).view(padded.shape), scale.squeeze(-1)
 
 
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights (one scale per output channel, symmetric, as torch.ao's
-    per-channel qint8) and int8 activations with one scale per 64 consecutive inputs of a row, for CPU
-    inference.
+    """A linear layer with int8 weights (one scale per output channel: max |row| / 127, values in
+    [-127, 127]) and int8 activations with one scale per 64 consecutive inputs of a row, for CPU
+    inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised
+    layers: the outputs never require one).
 
     The product runs in hfgpt's C kernel (`modeling/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has
     it, built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
@@ -118,6 +121,11 @@ class Int8Linear(nn.Module):
                 f"packed int8 weight must be uint8 of shape {expected}, not {packed.dtype} "
                 f"{tuple(packed.shape)}"
             )
+        if tuple(scale.shape) != (out_features,) or (
+            bias is not None and tuple(bias.shape) != (out_features,)
+        ):
+            given = (tuple(scale.shape), None if bias is None else tuple(bias.shape))
+            raise ValueError(f"Int8Linear scale and bias must have shape ({out_features},), not {given}")
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("scale", scale.to(torch.float32).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
@@ -168,16 +176,18 @@ class Int8Linear(nn.Module):
         width = self.in_features
         if x.shape[-1] != width:
             raise ValueError(f"Int8Linear expects {width} input features, got shape {tuple(x.shape)}")
-        library = native.kernel("int8_linear") if x.is_cpu else None
-        if library is None:
-            return self.reference(x)
+        buffers = self._buffers  # (the module's __getattr__ costs ~0.7 us a buffer)
+        packed = buffers["packed"]
+        library = native.kernel("int8_linear") if x.is_cpu and packed.is_cpu else None
+        if library is None:  # (elsewhere than the CPU, torch's own device errors)
+            with torch.no_grad():
+                return self.reference(x)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        buffers = self._buffers  # (the module's __getattr__ costs ~0.7 us a buffer)
         bias = buffers["bias"]
         status = library.hfgpt_int8_linear(
-            x.data_ptr(), math.prod(x.shape[:-1]), width, width, buffers["packed"].data_ptr(),
+            x.data_ptr(), math.prod(x.shape[:-1]), width, width, packed.data_ptr(),
             self.out_features, self.packed_in, buffers["scale"].data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features,
             torch.get_num_threads(),

@@ -1,6 +1,7 @@
 """Shared test settings. The fixtures under tests/fixtures are copies of ../shared/fixtures so the suite
 runs from a lone clone of the project."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,18 @@ import torch
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2_FIXTURE = FIXTURES / "openai-gpt2-tiny"
 GPT1_FIXTURE = FIXTURES / "openai-gpt1-tiny"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache_dir(tmp_path_factory):
+    """hfgpt's C kernels are built into a folder of the test session (not ~/.cache), unless
+    HFGPT_CACHE_DIR is set already."""
+    if "HFGPT_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["HFGPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("hfgpt-cache"))
+    yield
+    del os.environ["HFGPT_CACHE_DIR"]
 
 
 @pytest.fixture

@@ -223,6 +223,26 @@ def test_double_heads_loss_is_mc_loss_plus_lambda_l1():
     torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-5)
 
 
+def test_int8_double_heads_copy_computes_the_auxiliary_lm_loss_from_its_own_logits():
+    """An int8 decoding copy has no float LM-head weight: L1 comes from the logits its head computes."""
+    from hfgpt.modeling.quantization import quantize_for_decoding
+
+    torch.manual_seed(0)
+    model = GPTDoubleHeadsModel(_tiny_config(classify_token_id=19, lm_loss_weight=0.5)).eval()
+    quantized = quantize_for_decoding(model)
+    ids, mask = _batch((2, 3, 10))
+    mc_labels = torch.tensor([2, 0])
+    with torch.no_grad():
+        out = quantized(input_ids=ids, attention_mask=mask, mc_labels=mc_labels)
+        reference = model(input_ids=ids, attention_mask=mask, mc_labels=mc_labels)
+    logits, flat_ids, flat_mask = out.logits.reshape(6, 10, -1), ids.reshape(6, 10), mask.reshape(6, 10)
+    losses = -torch.log_softmax(logits[:, :-1], -1).gather(-1, flat_ids[:, 1:, None]).squeeze(-1)
+    l1 = ((losses * flat_mask[:, 1:]).sum(-1) / flat_mask[:, 1:].sum(-1)).mean()
+    torch.testing.assert_close(out.lm_loss, l1)
+    torch.testing.assert_close(out.loss, out.mc_loss + 0.5 * l1)
+    assert 0 < abs(out.loss - reference.loss) < 0.02 * reference.loss  # int8 moves it, a little
+
+
 # --- metrics ------------------------------------------------------------------------------------------
 
 

@@ -65,11 +65,11 @@ def _c_quantize(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     rows, width = x.shape
     padded = -(-width // INT8_BLOCK) * INT8_BLOCK
     q, s = torch.empty(rows, padded, dtype=torch.int8), torch.empty(rows, padded // INT8_BLOCK)
-    corr = torch.empty(rows)
+    sums = torch.empty(rows, padded // INT8_BLOCK, dtype=torch.int32)
     library.hfgpt_int8_quantize_rows(
-        x.data_ptr(), rows, width, width, padded, q.data_ptr(), s.data_ptr(), corr.data_ptr()
+        x.data_ptr(), rows, width, width, padded, q.data_ptr(), s.data_ptr(), sums.data_ptr()
     )
-    return q, s, corr
+    return q, s, sums
 
 
 @needs_cc
@@ -83,16 +83,56 @@ def test_activation_quantisation_is_bit_exact(portable, tmp_path):
     else:
         library = native.kernel("int8_linear")
     generator = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 200, generator=generator) * torch.logspace(-3, 3, 6)[:, None]
-    x[0, :64] = torch.arange(64) - 31.5  # max 32.5 ... several exact halves after scaling
-    x[1, :64] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 8)  # s = 1: ties
+    x = torch.randn(8, 200, generator=generator) * torch.logspace(-3, 3, 8)[:, None]
+    x[0, :64] = torch.arange(64) - 31.5  # a ramp
+    x[1, :64] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 8)  # s = 1: ties to even
+    x[1, 192:] = torch.tensor([254.0, 1.0, 3.0, -5.0, 7.0, 0.0, -1.0, 9.0])  # s = 2, partial block: ties
     x[2, 64:128] = 0.0  # an all-zero block
-    q, s, corr = _c_quantize(library, x)
+    x[3, 10], x[4, 70], x[5, 195] = float("nan"), float("inf"), float("-inf")  # whole and partial blocks
+    q, s, sums = _c_quantize(library, x)
     want_q, want_s = quantize_activations(x)
     assert torch.equal(q.float(), want_q)
-    assert torch.equal(s, want_s)
-    sums = want_q.view(6, -1, INT8_BLOCK).sum(-1).double()
-    torch.testing.assert_close(corr.double(), 128 * (want_s.double() * sums).sum(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0, equal_nan=True)
+    assert s[3, 0].isnan() and s[4, 1].isnan() and s[5, 3].isnan() and s[3, 1:].isfinite().all()
+    assert torch.equal(sums, want_q.view(8, -1, INT8_BLOCK).sum(-1).int())
+
+
+@needs_cc
+def test_kernel_is_exact_for_wide_positive_activations():
+    """Activations with a large mean (after a GELU) over 3072 inputs: the kernel's only rounding is the
+    float sum over blocks, so it stays as close to the exact int8 arithmetic (float64) as the reference."""
+    layer = _layer(256, 3072)
+    x = torch.rand(4, 3072, generator=torch.Generator().manual_seed(4)) * 3 + 0.5
+    q, s = quantize_activations(x)
+    exact = (q.double().view(4, -1, INT8_BLOCK) * s.double()[..., None]).view(4, -1)
+    exact = exact @ layer.int8_weight().double().t() * layer.scale.double() + layer.bias.double()
+    scale = exact.abs().max().item()
+    assert (layer(x).double() - exact).abs().max().item() < 2e-6 * scale
+    assert (layer.reference(x).double() - exact).abs().max().item() < 2e-6 * scale
+
+
+@needs_cc
+def test_non_finite_activations_give_nan_rows():
+    layer = _layer(40, 130)
+    x = torch.randn(4, 130)
+    x[1, 3], x[2, 129] = float("nan"), float("inf")  # a whole block, the partial last one
+    got, want = layer(x), layer.reference(x)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert got[[0, 3]].isfinite().all()
+    _close(got[[0, 3]], want[[0, 3]])
+    assert want[1].isnan().all() and want[2].isnan().all()
+
+
+def test_no_gradient_and_no_crash_on_other_devices(monkeypatch):
+    layer = _layer(24, 48)
+    x = torch.randn(3, 48, requires_grad=True)
+    assert not layer(x).requires_grad  # inference only, on the kernel's path ...
+    monkeypatch.setenv("HFGPT_NATIVE", "0")
+    native.kernel.cache_clear()
+    assert not layer(x).requires_grad  # ... and on the reference's
+    on_meta = _layer(24, 48).to("meta")
+    with pytest.raises((RuntimeError, NotImplementedError)):  # torch's device error, not a crash
+        on_meta(torch.randn(3, 48))
 
 
 @needs_cc
@@ -181,6 +221,8 @@ def test_int8_weight_round_trips_and_bad_input_is_named():
         layer(torch.randn(3, 71))
     with pytest.raises(ValueError, match="packed int8 weight must be uint8 of shape"):
         Int8Linear(70, 40, layer.packed.view(torch.int8), layer.scale, None)
+    with pytest.raises(ValueError, match=r"scale and bias must have shape \(40,\), not \(\(39,\), None\)"):
+        Int8Linear(70, 40, layer.packed, layer.scale[:39], None)
 
 
 @needs_cc

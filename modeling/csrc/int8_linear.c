@@ -13,11 +13,14 @@
  *
  * Per row r and block b of BLOCK inputs, with sx[r, b] = max |x[r, b*BLOCK ...]| / 127 and
  * q = round-half-even(x / sx) in [-127, 127]:
- *     y[r, o] = scale[o] * (sum_b sx[r, b] * sum_{i in b} (W[o, i] + 128) q[r, i] - corr[r]) + bias[o]
- *     corr[r] = 128 * sum_b sx[r, b] * sum_{i in b} q[r, i]
- * The int32 sums of a block hold at most 64 * 255 * 127; the float sums run over blocks in order, each
- * output computed by one thread, so the result does not depend on the number of threads.
+ *     y[r, o] = scale[o] * sum_b sx[r, b] * (sum_{i in b} (W[o, i] + 128) q[r, i] - 128 qsum[r, b]) + bias[o]
+ *     qsum[r, b] = sum_{i in b} q[r, i]
+ * The bracket is exact in int32 (at most 64 * 255 * 127 before the subtraction), so only the float sum
+ * over blocks rounds; it runs over blocks in order, each output computed by one thread, so the result
+ * does not depend on the number of threads. A block holding a NaN or an infinity gets sx = NaN (and
+ * q = 0), so the outputs are NaN, as the float product's would be.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +29,7 @@
 #define BLOCK 64
 #define TILE 32
 #define ROWS 4
-#define LAYOUT_VERSION 1
+#define LAYOUT_VERSION 2
 
 int hfgpt_int8_layout_version(void) { return LAYOUT_VERSION; }
 
@@ -41,7 +44,11 @@ static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
     for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(x + 16 * j);
     __m512 a = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
                              _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
-    float s = _mm512_reduce_max_ps(a) / 127.0f;
+    /* NaN or infinity anywhere: unordered or above FLT_MAX (max_ps may drop a NaN, so test each vector) */
+    __mmask16 bad = 0;
+    for (int j = 0; j < 4; j++)
+        bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v[j]), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+    float s = bad ? NAN : _mm512_reduce_max_ps(a) / 127.0f;
     *s_out = s;
     if (!(s > 0.0f)) {
         memset(xq, 0, BLOCK);
@@ -61,42 +68,41 @@ static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
 #define VECTORIZED 0
 #endif
 
-/* One row: xq[0 .. inp) (zero past `in`), sx[0 .. inp / BLOCK), returns the row's correction. */
-static float quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, float *sx)
+/* One row: xq[0 .. inp) (zero past `in`), sx and qsum[0 .. inp / BLOCK). */
+static void quantize_row(const float *x, int64_t in, int64_t inp, int8_t *xq, float *sx, int32_t *qsum)
 {
-    double corr = 0.0;
     for (int64_t b = 0; b < inp / BLOCK; b++) {
         int64_t lo = b * BLOCK, hi = lo + BLOCK < in ? lo + BLOCK : in;
 #if VECTORIZED
         if (hi - lo == BLOCK) {
-            int32_t sum = quantize_block(x + lo, xq + lo, sx + b);
-            corr += (double)sx[b] * (double)sum;
+            qsum[b] = quantize_block(x + lo, xq + lo, sx + b);
             continue;
         }
 #endif
         float m = 0.0f;
+        int bad = 0;
         for (int64_t i = lo; i < hi; i++) {
             float a = fabsf(x[i]);
+            bad |= !(a <= FLT_MAX); /* NaN or infinity */
             m = a > m ? a : m;
         }
-        float s = m / 127.0f;
+        float s = bad ? NAN : m / 127.0f;
         int32_t sum = 0;
         for (int64_t i = lo; i < lo + BLOCK; i++) {
-            int32_t q = (i < hi && s > 0.0f) ? (int32_t)nearbyintf(x[i] / s) : 0;
-            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            float r = (i < hi && s > 0.0f) ? nearbyintf(x[i] / s) : 0.0f;
+            int32_t q = r > 127.0f ? 127 : (r < -127.0f ? -127 : (int32_t)r);
             xq[i] = (int8_t)q;
             sum += q;
         }
         sx[b] = s;
-        corr += (double)s * (double)sum;
+        qsum[b] = sum;
     }
-    return (float)(128.0 * corr);
 }
 
 #if VECTORIZED
 
 static inline __attribute__((always_inline)) void tile(
-    const int8_t *xq, const float *sx, const float *corr, int64_t inp, const uint8_t *w,
+    const int8_t *xq, const float *sx, const int32_t *qsum, int64_t inp, const uint8_t *w,
     const float *scale, const float *bias, float *y, int64_t ldy, int64_t o0, int64_t out, const int nr)
 {
     const int64_t nb = inp / BLOCK;
@@ -120,8 +126,9 @@ static inline __attribute__((always_inline)) void tile(
         }
         for (int r = 0; r < nr; r++) {
             __m512 s = _mm512_set1_ps(sx[r * nb + b]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), s, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), s, acc[r][1]);
+            __m512i offset = _mm512_set1_epi32(128 * qsum[r * nb + b]); /* the weights' +128, exactly */
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], offset)), s, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], offset)), s, acc[r][1]);
         }
     }
     for (int h = 0; h < 2; h++) {
@@ -131,13 +138,13 @@ static inline __attribute__((always_inline)) void tile(
         __m512 sc = _mm512_maskz_loadu_ps(m, scale + o);
         __m512 bi = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
         for (int r = 0; r < nr; r++) {
-            __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r][h], _mm512_set1_ps(corr[r])), sc, bi);
+            __m512 v = _mm512_fmadd_ps(acc[r][h], sc, bi);
             _mm512_mask_storeu_ps(y + r * ldy + o, m, v);
         }
     }
 }
 
-static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int64_t rows, int64_t inp,
+static void tile_rows(const int8_t *xq, const float *sx, const int32_t *qsum, int64_t rows, int64_t inp,
                       const uint8_t *w, const float *scale, const float *bias, float *y, int64_t ldy,
                       int64_t o0, int64_t out)
 {
@@ -145,18 +152,19 @@ static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int6
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int8_t *x = xq + r0 * inp;
         const float *s = sx + r0 * nb;
+        const int32_t *qs = qsum + r0 * nb;
         float *yr = y + r0 * ldy;
         switch (rows - r0 < ROWS ? rows - r0 : ROWS) {
-        case 1: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 1); break;
-        case 2: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 2); break;
-        case 3: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 3); break;
-        default: tile(x, s, corr + r0, inp, w, scale, bias, yr, ldy, o0, out, 4); break;
+        case 1: tile(x, s, qs, inp, w, scale, bias, yr, ldy, o0, out, 1); break;
+        case 2: tile(x, s, qs, inp, w, scale, bias, yr, ldy, o0, out, 2); break;
+        case 3: tile(x, s, qs, inp, w, scale, bias, yr, ldy, o0, out, 3); break;
+        default: tile(x, s, qs, inp, w, scale, bias, yr, ldy, o0, out, 4); break;
         }
     }
 }
 #else
 /* Portable version of the same arithmetic (the compiler vectorises what it can). */
-static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int64_t rows, int64_t inp,
+static void tile_rows(const int8_t *xq, const float *sx, const int32_t *qsum, int64_t rows, int64_t inp,
                       const uint8_t *w, const float *scale, const float *bias, float *y, int64_t ldy,
                       int64_t o0, int64_t out)
 {
@@ -169,22 +177,22 @@ static void tile_rows(const int8_t *xq, const float *sx, const float *corr, int6
                 for (int j = 0; j < TILE; j++)
                     for (int q = 0; q < 4; q++)
                         dot[j] += (int32_t)w[(g * TILE + j) * 4 + q] * (int32_t)xq[r * inp + g * 4 + q];
-            for (int j = 0; j < TILE; j++) acc[j] += (float)dot[j] * sx[r * nb + b];
+            for (int j = 0; j < TILE; j++) acc[j] += (float)(dot[j] - 128 * qsum[r * nb + b]) * sx[r * nb + b];
         }
         for (int j = 0; j < TILE && o0 + j < out; j++)
-            y[r * ldy + o0 + j] = (acc[j] - corr[r]) * scale[o0 + j] + (bias ? bias[o0 + j] : 0.0f);
+            y[r * ldy + o0 + j] = acc[j] * scale[o0 + j] + (bias ? bias[o0 + j] : 0.0f);
     }
 }
 #endif
 
 int hfgpt_int8_vectorized(void) { return VECTORIZED; }
 
-/* The activation quantisation alone (for tests): xq [rows, inp], sx [rows, inp / BLOCK], corr [rows]. */
+/* The activation quantisation alone (for tests): xq [rows, inp], sx and qsum [rows, inp / BLOCK]. */
 void hfgpt_int8_quantize_rows(const float *x, int64_t rows, int64_t ldx, int64_t in, int64_t inp, int8_t *xq,
-                              float *sx, float *corr)
+                              float *sx, int32_t *qsum)
 {
     for (int64_t r = 0; r < rows; r++)
-        corr[r] = quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK));
+        quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK), qsum + r * (inp / BLOCK));
 }
 
 /* y[r * ldy + o] for r < rows, o < out. Returns 0, or 1 where scratch memory could not be allocated. */
@@ -192,11 +200,12 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
                       int64_t inp, const float *scale, const float *bias, float *y, int64_t ldy, int threads)
 {
     if (rows <= 0 || out <= 0) return 0;
+    const int64_t nb = inp / BLOCK;
     int8_t *xq = (int8_t *)malloc((size_t)(rows * inp));
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(rows * (inp / BLOCK)));
-    float *corr = (float *)malloc(sizeof(float) * (size_t)rows);
-    if (!xq || !sx || !corr) {
-        free(xq), free(sx), free(corr);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    if (!xq || !sx || !qsum) {
+        free(xq), free(sx), free(qsum);
         return 1;
     }
     const int64_t tiles = (out + TILE - 1) / TILE;
@@ -205,11 +214,11 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            corr[r] = quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK));
+            quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * nb, qsum + r * nb);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++)
-            tile_rows(xq, sx, corr, rows, inp, w + t * tile_bytes, scale, bias, y, ldy, t * TILE, out);
+            tile_rows(xq, sx, qsum, rows, inp, w + t * tile_bytes, scale, bias, y, ldy, t * TILE, out);
     }
-    free(xq), free(sx), free(corr);
+    free(xq), free(sx), free(qsum);
     return 0;
 }
