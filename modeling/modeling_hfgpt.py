@@ -70,6 +70,7 @@ from .ops_hfgpt import (
     use_onednn_products,
     values_readable,
     vocab_product_dtype,
+    weighted_cross_entropy,
     weighted_lm_loss,
     workspace,
 )
@@ -512,8 +513,7 @@ class GPTPreTrainedModel(PreTrainedModel):
         flat_targets = F.pad(targets, (0, 1)).reshape(-1)
         if not isinstance(head_weight, torch.Tensor):
             logits = project_to_vocab(hidden_states, head)
-            losses = F.cross_entropy(logits.reshape(len(weights), -1).float(), flat_targets, reduction="none")
-            return logits, (losses * weights).sum()
+            return logits, weighted_cross_entropy(logits.reshape(len(weights), -1), flat_targets, weights)
         logits, loss = weighted_lm_loss(
             hidden_states.reshape(-1, hidden_states.shape[-1]), head_weight, flat_targets, weights, tied
         )

@@ -1217,4 +1217,11 @@ def weighted_lm_loss(
         divisor = hidden.new_tensor(1.0)
         return _LinearCrossEntropy.apply(hidden, weight, targets, weights.float(), divisor, dtype, tied)
     logits = F.linear(hidden, weight)
-    return logits, (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
+    return logits, weighted_cross_entropy(logits, targets, weights)
+
+
+def weighted_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The sum over rows of `weights` x the cross-entropy of `targets`, for (N, V) logits (in float32)."""
+    return (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()

@@ -74,19 +74,26 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _symmetric_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 rule of weights and activations alike, along the last dimension: s = max |values| / 127,
+    q = round-half-even(values / s) in [-127, 127] (float32 holding integers); q = 0 where s = 0, and
+    s = NaN (q = 0) where a NaN or an infinity is among the values. Returns q and s (last dimension 1)."""
+    peak = values.abs().amax(-1, keepdim=True)
+    scale = torch.where(peak.isfinite(), peak / 127.0, torch.nan)
+    q = torch.where(scale > 0, torch.round(values / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return q.clamp_(-127, 127), scale
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` ([rows, in], float32) as int8 values with one scale per `INT8_BLOCK` consecutive inputs of a
-    row, as the C kernel quantises them: s = max |x| / 127 over the block, q = round-half-even(x / s).
-    Returns q (float32 holding integers, zero-padded to a multiple of the block) and s ([rows, blocks]);
-    a block holding a NaN or an infinity gets s = NaN and q = 0, so the products come out NaN."""
+    row, as the C kernel quantises them (`_symmetric_int8` per block). Returns q (float32 holding
+    integers, zero-padded to a multiple of the block) and s ([rows, blocks]); a block holding a NaN or an
+    infinity gets s = NaN and q = 0, so the products come out NaN."""
     rows, width = x.shape
     padded = torch.zeros(rows, _round_up(width, INT8_BLOCK), dtype=torch.float32, device=x.device)
     padded[:, :width] = x
-    blocks = padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK)
-    peak = blocks.abs().amax(-1, keepdim=True)
-    scale = torch.where(peak.isfinite(), peak / 127.0, torch.nan)  # NaN (q = 0) for a NaN or an inf
-    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return q.clamp_(-127, 127).view(padded.shape), scale.squeeze(-1)
+    q, scale = _symmetric_int8(padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK))
+    return q.view(padded.shape), scale.squeeze(-1)
 
 
 class Int8Linear(nn.Module):
@@ -134,15 +141,13 @@ class Int8Linear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
         """Quantise a float `[out, in]` weight: scale = max |row| / 127, round half to even."""
         out_features, in_features = weight.shape
-        weight = weight.detach().to(torch.float32)
-        scale = weight.abs().amax(1) / 127.0
-        q = torch.round(weight / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
+        q, scale = _symmetric_int8(weight.detach().to(torch.float32))
         biased = torch.full(
             (_round_up(out_features, INT8_TILE), _round_up(in_features, INT8_BLOCK)), 128, dtype=torch.int16
         )
         biased[:out_features, :in_features] = q.to(torch.int16) + 128  # unsigned bytes for VPDPBUSD
         packed = biased.to(torch.uint8).view(-1, INT8_TILE, biased.shape[1] // 4, 4).permute(0, 2, 1, 3)
-        return cls(in_features, out_features, packed.contiguous(), scale, bias)
+        return cls(in_features, out_features, packed.contiguous(), scale.squeeze(1), bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         # `.half()`, `.double()`, `.to(dtype)` convert floating buffers: the kernel reads float32 scales
@@ -202,27 +207,42 @@ class Int8Linear(nn.Module):
         )
 
 
+def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Replace, in place, each submodule for which `convert` returns a module."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            replacement = convert(child)
+            if replacement is not None:
+                setattr(module, name, replacement)
+
+
 def _to_int8(model: nn.Module) -> None:
     """Replace each Conv1D and `nn.Linear` (the LM head included: it gets its own int8 copy of the tied
     embeddings, which stay float32 for the lookup) by an `Int8Linear`, in place."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, Conv1D):
-                setattr(module, name, Int8Linear.from_float(child.weight.t(), child.bias))
-            elif isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear.from_float(child.weight, child.bias))
+
+    def convert(child: nn.Module) -> Int8Linear | None:
+        if isinstance(child, Conv1D):
+            return Int8Linear.from_float(child.weight.t(), child.bias)
+        if isinstance(child, nn.Linear):
+            return Int8Linear.from_float(child.weight, child.bias)
+        return None
+
+    _replace_layers(model, convert)
 
 
 def _conv1d_to_linear(model: nn.Module, cls: type[nn.Linear] = nn.Linear) -> None:
     """Replace each Conv1D (`[in, out]` weights, as OpenAI's releases) by the equivalent `cls` (an
     `nn.Linear`, `[out, in]` weights), in place."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, Conv1D):
-                linear = cls(child.weight.shape[0], child.weight.shape[1])
-                linear.weight.data = child.weight.data.t().contiguous()
-                linear.bias.data = child.bias.data.clone()
-                setattr(module, name, linear)
+
+    def convert(child: nn.Module) -> nn.Linear | None:
+        if not isinstance(child, Conv1D):
+            return None
+        linear = cls(child.weight.shape[0], child.weight.shape[1])
+        linear.weight.data = child.weight.data.t().contiguous()
+        linear.bias.data = child.bias.data.clone()
+        return linear
+
+    _replace_layers(model, convert)
 
 
 def _head_to_decoding_linear(model: nn.Module) -> None:

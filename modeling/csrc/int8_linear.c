@@ -33,22 +33,21 @@
 
 int hfgpt_int8_layout_version(void) { return LAYOUT_VERSION; }
 
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VECTORIZED 1
 /* A whole block of BLOCK (64) inputs: the same divisions and round-half-even as the portable loop. */
 static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
 {
-    __m512 v[4];
-    for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(x + 16 * j);
-    __m512 a = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
-                             _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
-    /* NaN or infinity anywhere: unordered or above FLT_MAX (max_ps may drop a NaN, so test each vector) */
-    __mmask16 bad = 0;
-    for (int j = 0; j < 4; j++)
-        bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v[j]), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
-    float s = bad ? NAN : _mm512_reduce_max_ps(a) / 127.0f;
+    __m512 v[4], a[4];
+    __mmask16 bad = 0; /* NaN or infinity: unordered or above FLT_MAX (max_ps may drop a NaN) */
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm512_loadu_ps(x + 16 * j);
+        a[j] = _mm512_abs_ps(v[j]);
+        bad |= _mm512_cmp_ps_mask(a[j], _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+    }
+    __m512 m = _mm512_max_ps(_mm512_max_ps(a[0], a[1]), _mm512_max_ps(a[2], a[3]));
+    float s = bad ? NAN : _mm512_reduce_max_ps(m) / 127.0f;
     *s_out = s;
     if (!(s > 0.0f)) {
         memset(xq, 0, BLOCK);
