@@ -61,6 +61,8 @@ from .ops_hfgpt import (
     has_forward_hooks,
     inference_autocast_dtype,
     lm_logits_and_loss,
+    native_attention_applies,
+    native_causal_attention,
     needs_grad,
     one_row_conv1d,
     onednn_mm,
@@ -194,6 +196,8 @@ class GPTAttention(nn.Module):
         if self.config._attn_implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
             if fast_dropout_applies(query, self.attn_dropout, self.training):
                 attention_interface = cpu_dropout_attention
+            elif native_attention_applies(query, key, value, attention_mask):
+                attention_interface = native_causal_attention
             elif banded_attention_applies(query, key, attention_mask):
                 attention_interface = cpu_banded_attention
         input_dtype = query.dtype

@@ -44,7 +44,15 @@ SIGNATURES = {
             ctypes.c_int,
             [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, ctypes.c_int],
         ),
-    }
+    },
+    "attention": {
+        "hfgpt_attention_vectorized": (ctypes.c_int, []),
+        # q, k, v, out, B, H, T, q strides, k strides, v strides, out strides, scale, threads
+        "hfgpt_causal_attention": (
+            ctypes.c_int,
+            [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, ctypes.c_float, ctypes.c_int],
+        ),
+    },
 }
 
 
@@ -121,7 +129,7 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
 
 
 def load(path: Path, name: str) -> ctypes.CDLL:
-    """Load a library built by `build(name)` and declare its functions; checks the weight layout."""
+    """Load a library built by `build(name)` and declare its functions; checks the int8 weight layout."""
     import torch  # noqa: F401  (its OpenMP runtime must be loaded first, for the library to share it)
 
     library = ctypes.CDLL(str(path))

@@ -1,0 +1,200 @@
+"""hfgpt's causal attention kernel for CPU prefill (modeling/csrc/attention.c, `native_causal_attention`)
+against torch's sdpa, where the model runs it, and where it steps aside."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, native, ops_hfgpt
+from hfgpt.modeling.ops_hfgpt import native_attention_applies, native_causal_attention
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512f" in next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+
+
+# The kernel is built with the machine's C compiler for CPUs with AVX-512 (CI's have both); elsewhere the
+# model runs sdpa, which the tests below of where the kernel steps aside exercise.
+needs_kernel = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None or not _cpu_has_avx512(),
+    reason="the attention kernel needs a C compiler and a CPU with AVX-512",
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_cache():
+    native.kernel.cache_clear()
+    yield
+    native.kernel.cache_clear()
+
+
+def _qkv(batch: int, heads: int, length: int, scale: float = 1.0, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values as the model hands them over: (B, H, T, 64) views of one projection."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, length, 3, heads, 64, generator=generator) * scale
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal sdpa in float64, as (B, T, H, D) float32."""
+    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=scaling)
+    return out.transpose(1, 2).float()
+
+
+def _assert_as_close_as_sdpa(got: torch.Tensor, q, k, v, scaling: float) -> None:
+    """Against sdpa in float64: on average within a small factor of torch's float32 sdpa's own error (a few
+    1e-7 for GPT-like scores), and at most 2.5 times its largest error plus 2e-6."""
+    want = _sdpa(q, k, v, scaling)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling).transpose(1, 2)
+    error, sdpa_error = (got - want).abs(), (sdpa - want).abs()
+    assert error.mean() <= 2.5 * sdpa_error.mean() + 1e-9
+    assert error.max() <= 2.5 * sdpa_error.max() + 2e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "batch,heads,length",
+    [(1, 1, 1), (1, 2, 7), (2, 3, 8), (1, 2, 9), (2, 1, 33), (1, 3, 100), (1, 12, 512), (2, 2, 1030)],
+)
+def test_kernel_equals_causal_sdpa(batch, heads, length):
+    """Lengths around the kernel's blocks of 8 query rows and 32 keys, from one position to past GPT-2's
+    1024: as close to sdpa in float64 as torch's own float32 sdpa is."""
+    q, k, v = _qkv(batch, heads, length, scale=2.0)
+    assert native_attention_applies(q, k, v, None)
+    got, weights = native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)
+    assert weights is None and got.shape == (batch, length, heads, 64) and got.is_contiguous()
+    _assert_as_close_as_sdpa(got, q, k, v, 0.125)
+
+
+@needs_kernel
+def test_kernel_is_stable_for_large_scores_and_contiguous_inputs():
+    """Scores in the thousands (the softmax subtracts each row's maximum; weights far below it underflow
+    to zero) and contiguous (B, H, T, D) inputs, whose row strides differ from the projection's views."""
+    q, k, v = (t.contiguous() for t in _qkv(2, 3, 70, scale=8.0))
+    got, _ = native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=1.0)
+    assert torch.isfinite(got).all()
+    _assert_as_close_as_sdpa(got, q, k, v, 1.0)
+
+
+@needs_kernel
+def test_a_non_finite_input_reaches_only_the_rows_that_see_it():
+    """A NaN in position 20's query makes row 20 NaN; a NaN in position 30's key or value makes rows 30
+    and later NaN, and never an earlier row, even one in the same block of 8 (torch's flash kernel lets
+    a NaN value reach earlier rows of its block); every other row is unchanged."""
+    clean = [t.contiguous() for t in _qkv(1, 2, 40)]
+    q, k, v = (t.clone() for t in clean)
+    q[0, 0, 20, 5] = float("nan")
+    v[0, 0, 30, 3] = float("nan")
+    k[0, 1, 30, 0] = float("nan")
+    got, _ = native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)
+    expected_nan = torch.zeros(1, 40, 2, dtype=torch.bool)  # (B, T, H)
+    expected_nan[0, 20, 0] = True
+    expected_nan[0, 30:, :] = True
+    assert torch.equal(got.isnan().any(-1), expected_nan)
+    want, _ = native_causal_attention(torch.nn.Module(), *clean, None, scaling=0.125)
+    assert torch.equal(got[~expected_nan], want[~expected_nan])
+
+
+@needs_kernel
+def test_kernel_result_does_not_depend_on_the_thread_count():
+    q, k, v = _qkv(2, 5, 77)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)
+        torch.set_num_threads(3)
+        three, _ = native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+@needs_kernel
+def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
+    q, k, v = _qkv(1, 2, 16)
+    assert native_attention_applies(q, k, v, None)
+    assert not native_attention_applies(q, k, v, torch.ones(16, 16, dtype=torch.bool).tril())  # padding
+    assert not native_attention_applies(q[:, :, -1:], k, v, None)  # a decoding step against cached keys
+    assert not native_attention_applies(*(t.bfloat16() for t in (q, k, v)), None)  # bf16 or autocast
+    assert not native_attention_applies(*(t[..., :32] for t in (q, k, v)), None)  # heads of 32
+    assert not native_attention_applies(*(t.transpose(2, 3) for t in (q, k, v)), None)  # strided rows
+    assert not native_attention_applies(q.clone().requires_grad_(), k, v, None)  # autograd: sdpa's backward
+    assert not native_attention_applies(*(t.to("meta") for t in (q, k, v)), None)  # no values to read
+
+
+def test_without_the_kernel_prefill_takes_sdpa(monkeypatch):
+    """`HFGPT_NATIVE=0` (or no compiler, or no AVX-512): the kernel is off and the model's prefill runs
+    sdpa (in bands), with the same logits as its autograd forward."""
+    monkeypatch.setenv("HFGPT_NATIVE", "0")
+    q, k, v = _qkv(1, 2, 16)
+    assert ops_hfgpt._attention_kernel() is None and not native_attention_applies(q, k, v, None)
+    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2)).eval()
+    ids = torch.randint(0, 96, (2, 150))
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, model(ids).logits.detach(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_model_prefill_runs_the_kernel_and_equals_its_autograd_forward(layer_norm_position, monkeypatch):
+    """A GPT-2 (pre-norm) or GPT-1 (post-norm) model with heads of 64: inference without a mask runs the
+    kernel in every layer and gives the logits of the autograd forward (sdpa); with left padding (a mask)
+    it runs sdpa."""
+    config = GPTConfig(
+        vocab_size=96,
+        n_positions=160,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        layer_norm_position=layer_norm_position,
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config).eval()
+    calls = []
+    monkeypatch.setattr(
+        modeling_hfgpt,
+        "native_causal_attention",
+        lambda *a, **k: calls.append(a[1].shape) or native_causal_attention(*a, **k),
+    )
+    ids = torch.randint(0, 96, (2, 150))
+    expected = model(ids).logits.detach()
+    assert not calls  # autograd: sdpa
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert calls == [(2, 2, 150, 64)] * 2
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert len(calls) == 2
+
+
+@needs_kernel
+def test_generate_with_the_kernel_gives_the_tokens_of_sdpa(monkeypatch):
+    """Greedy decoding of a GPT-2-shaped model: the prompt's prefill on the kernel, then the cached steps;
+    the same tokens as with the kernel off."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2)).eval()
+    ids = torch.randint(0, 96, (1, 40))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=95)
+    calls = []
+    monkeypatch.setattr(
+        modeling_hfgpt,
+        "native_causal_attention",
+        lambda *a, **k: calls.append(a[1].shape) or native_causal_attention(*a, **k),
+    )
+    with_kernel = model.generate(ids, **kwargs)
+    assert calls == [(1, 2, 40, 64)] * 2  # the prefill, in both layers
+    monkeypatch.setattr(modeling_hfgpt, "native_attention_applies", lambda *a: False)
+    assert torch.equal(with_kernel, model.generate(ids, **kwargs))
+    assert len(calls) == 2
