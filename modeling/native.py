@@ -52,6 +52,17 @@ SIGNATURES = {
             ctypes.c_int,
             [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, ctypes.c_float, ctypes.c_int],
         ),
+        # ... as above, then keep and probs (arrays of band pointers), band, 1 / (1 - p), threads
+        "hfgpt_attention_train_forward": (
+            ctypes.c_int,
+            [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, ctypes.c_float, _P, _P, _I64, ctypes.c_float]
+            + [ctypes.c_int],
+        ),
+        # q, k, v, dout, dq, dk, dv, B, H, T, their 7 stride arrays, scale, keep, probs, band, 1 / (1 - p), threads
+        "hfgpt_attention_train_backward": (
+            ctypes.c_int,
+            [_P] * 7 + [_I64] * 3 + [_P] * 7 + [ctypes.c_float, _P, _P, _I64, ctypes.c_float, ctypes.c_int],
+        ),
     },
 }
 

@@ -6,8 +6,8 @@ each function names the plain expression it stands for, and the tests hold the t
   products split between the threads (`one_row_conv1d`, `one_row_product`).
 - Dropout with byte masks drawn from 32-bit integers (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
-  `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); for prefill without a mask,
-  hfgpt's C kernel (`native_causal_attention`).
+  `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
+  C kernel in both (`native_causal_attention`, `_native_dropout_attention`).
 - Appends to transformers' `DynamicCache` without copying it (`append_to_cache`).
 - The LM head and its loss without a full vocabulary-wide gradient (`project_to_vocab`,
   `lm_logits_and_loss`, `_LinearCrossEntropy`), and its gradient shared with the tied embeddings
@@ -384,7 +384,12 @@ class _BandedDropoutAttention(torch.autograd.Function):
     backward copies the inputs to (B*H, T, D) again. A backward that builds a graph (`create_graph=True`)
     recomputes the bands with autograd's ops instead (`_differentiable_band_grads`), so second
     derivatives are right. The same draws as autograd through `_dropout_and_values` would make, one keep
-    mask per band, and the same values to rounding (tests/test_performance.py)."""
+    mask per band, and the same values to rounding (tests/test_performance.py).
+
+    Where hfgpt's C kernel takes the inputs (`native_attention_takes`: float32, heads of 64, no mask),
+    forward and backward run on it instead, with the same keep masks and saved probabilities
+    (`_native_dropout_attention`; GPT-2, B=4 x 256, a layer's forward and backward 14.6 against 34 ms
+    here, draws included; tests/test_attention_kernel.py)."""
 
     @staticmethod
     def forward(
@@ -396,6 +401,12 @@ class _BandedDropoutAttention(torch.autograd.Function):
         scaling: float,
         p: float,
     ) -> torch.Tensor:
+        ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
+        ctx.native = native_attention_takes(query, key, value, attention_mask)
+        if ctx.native:
+            out, saved = _native_dropout_attention(query, key, value, scaling, p)
+            ctx.save_for_backward(query, key, value, *saved)
+            return out
         batch, heads, length, dim = query.shape
         q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
         hidden = None if attention_mask is None else ~attention_mask
@@ -419,7 +430,6 @@ class _BandedDropoutAttention(torch.autograd.Function):
             out[:, start:stop] = band.view(batch, heads, rows, dim).transpose(1, 2)
             saved += [probs, keep]
         ctx.save_for_backward(query, key, value, *saved)
-        ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
         return out
 
     @staticmethod
@@ -429,6 +439,13 @@ class _BandedDropoutAttention(torch.autograd.Function):
             keeps = saved[1::2]
             return _differentiable_band_grads(
                 query, key, value, ctx.mask, ctx.scaling, ctx.p, keeps, grad_out
+            )
+        if ctx.native:
+            return (
+                *_native_dropout_attention_backward(query, key, value, saved, grad_out, ctx),
+                None,
+                None,
+                None,
             )
         batch, heads, length, dim = query.shape
         q, k, v = (t.reshape(batch * heads, length, dim) for t in (query, key, value))
@@ -450,6 +467,53 @@ class _BandedDropoutAttention(torch.autograd.Function):
             grad_k[:, :stop] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:stop])
         shape = (batch, heads, length, dim)
         return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
+
+
+def _native_dropout_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, p: float
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`_BandedDropoutAttention`'s forward by the C kernel: the same keep masks, drawn band by band in the
+    same order, and the same saved probabilities (each band's (B*H, rows, keys up to its last row))."""
+    batch, heads, length, dim = query.shape
+    keeps, probs = [], []
+    for start in range(0, length, ATTENTION_BAND):
+        stop = min(start + ATTENTION_BAND, length)
+        shape = (batch * heads, stop - start, stop)
+        keeps.append(keep_mask((batch, heads, stop - start, stop), p, query.device).view(shape))
+        probs.append(query.new_empty(shape))
+    out = query.new_empty(batch, length, heads, dim)
+    status = _attention_kernel().hfgpt_attention_train_forward(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), batch, heads, length,
+        _strides(query), _strides(key), _strides(value), _strides(out.transpose(1, 2)), scaling,
+        _pointers(keeps), _pointers(probs), ATTENTION_BAND, 1.0 / (1.0 - p), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"attention kernel: no scratch memory for {length} positions (status {status})")
+    return out, [t for pair in zip(probs, keeps, strict=True) for t in pair]
+
+
+def _native_dropout_attention_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    saved: list[torch.Tensor],
+    grad_out: torch.Tensor,  # (B, T, H, D)
+    ctx: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query, key and value gradients of `_native_dropout_attention` by the C kernel, from its saved
+    probabilities and keep masks."""
+    batch, heads, length, dim = query.shape
+    grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    grads = [query.new_empty(batch, heads, length, dim) for _ in range(3)]
+    status = _attention_kernel().hfgpt_attention_train_backward(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), grad.data_ptr(), *(g.data_ptr() for g in grads),
+        batch, heads, length, _strides(query), _strides(key), _strides(value), _strides(grad.transpose(1, 2)),
+        *(_strides(g) for g in grads), ctx.scaling, _pointers(saved[1::2]), _pointers(saved[0::2]),
+        ATTENTION_BAND, 1.0 / (1.0 - ctx.p), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"attention kernel: no scratch memory for {length} positions (status {status})")
+    return grads[0], grads[1], grads[2]
 
 
 def _differentiable_band_grads(
@@ -562,22 +626,40 @@ def _attention_kernel() -> Any:
     return library if library is not None and library.hfgpt_attention_vectorized() else None
 
 
-def native_attention_applies(
+def native_attention_takes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
 ) -> bool:
-    """Whether `native_causal_attention` stands in for sdpa: causal self-attention without a mask (no
-    cached keys, no padding), float32 CPU tensors with heads of 64 and contiguous rows, no autograd, run
-    eagerly, and the kernel available."""
+    """Whether the C attention kernel can compute this attention: causal self-attention without a mask (no
+    cached keys, no padding), float32 CPU tensors with heads of 64 and contiguous rows, run eagerly, and
+    the kernel available."""
     tensors = (query, key, value)
     return (
         attention_mask is None
         and key.shape[-2] == query.shape[-2]
         and query.shape[-1] == NATIVE_HEAD_SIZE
         and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
-        and not any(t.requires_grad for t in tensors)
         and values_readable(*tensors)
         and _attention_kernel() is not None
     )
+
+
+def native_attention_applies(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
+) -> bool:
+    """Whether `native_causal_attention` stands in for sdpa: `native_attention_takes`, without autograd
+    (training attention runs the kernel inside `_BandedDropoutAttention`)."""
+    return not any(t.requires_grad for t in (query, key, value)) and native_attention_takes(
+        query, key, value, attention_mask
+    )
+
+
+def _strides(t: torch.Tensor) -> Any:
+    """A (B, H, T, D) tensor's first three strides, for the C kernel."""
+    return (ctypes.c_int64 * 3)(*t.stride()[:3])
+
+
+def _pointers(tensors: list[torch.Tensor]) -> Any:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
 def native_causal_attention(
@@ -600,13 +682,9 @@ def native_causal_attention(
     with sdpa's to float rounding (tests/test_performance.py)."""
     batch, heads, length, dim = query.shape
     output = query.new_empty(batch, length, heads, dim)
-
-    def strides(t: torch.Tensor) -> Any:
-        return (ctypes.c_int64 * 3)(*t.stride()[:3])
-
     status = _attention_kernel().hfgpt_causal_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), batch, heads, length,
-        strides(query), strides(key), strides(value), strides(output.transpose(1, 2)), scaling,
+        _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)), scaling,
         torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

@@ -198,3 +198,128 @@ def test_generate_with_the_kernel_gives_the_tokens_of_sdpa(monkeypatch):
     monkeypatch.setattr(modeling_hfgpt, "native_attention_applies", lambda *a: False)
     assert torch.equal(with_kernel, model.generate(ids, **kwargs))
     assert len(calls) == 2
+
+
+# --- training: attention with dropout, forward and backward on the kernel ------------------------------
+
+
+def _band_keep_masks(batch: int, heads: int, length: int, p: float, seed: int) -> torch.Tensor:
+    """The keep masks `cpu_dropout_attention` draws after `torch.manual_seed(seed)`: one per band of 64
+    query rows over the keys that band sees, as one (B, H, T, T) mask."""
+    torch.manual_seed(seed)
+    keep = torch.zeros(batch, heads, length, length, dtype=torch.bool)
+    for start in range(0, length, ops_hfgpt.ATTENTION_BAND):
+        stop = min(start + ops_hfgpt.ATTENTION_BAND, length)
+        keep[:, :, start:stop, :stop] = ops_hfgpt.keep_mask((batch, heads, stop - start, stop), p, q_device())
+    return keep
+
+
+def q_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _masked_softmax_attention(q, k, v, keep, scaling: float, p: float) -> torch.Tensor:
+    """Causal softmax attention with the kept weights scaled by 1 / (1 - p), in float64, as (B, T, H, D)."""
+    q, k, v = q.double(), k.double(), v.double()
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = F.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")), dim=-1)
+    return ((probs * keep / (1 - p)) @ v).transpose(1, 2)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[str]:
+    """Records each forward and backward that runs on the kernel."""
+    calls = []
+    forward, backward = ops_hfgpt._native_dropout_attention, ops_hfgpt._native_dropout_attention_backward
+    monkeypatch.setattr(
+        ops_hfgpt, "_native_dropout_attention", lambda *a: calls.append("forward") or forward(*a)
+    )
+    monkeypatch.setattr(
+        ops_hfgpt, "_native_dropout_attention_backward", lambda *a: calls.append("backward") or backward(*a)
+    )
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("length", [128, 150, 300])
+def test_training_attention_on_the_kernel_is_causal_attention_with_the_drawn_masks(length, kernel_calls):
+    """From 128 positions on, training attention with dropout runs forward and backward on the kernel,
+    with the keep masks drawn band by band as in sdpa's stand-in: its values and its gradients (through
+    the (B, T, 3, H, D) projection the model hands it, from an upstream gradient of another layout) are
+    those of the formula in float64, to float rounding."""
+    batch, heads, p, scaling = 2, 3, 0.2, 0.125
+    qkv = (
+        torch.randn(batch, length, 3, heads, 64, generator=torch.Generator().manual_seed(0))
+    ).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    torch.manual_seed(5)
+    got, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=scaling, dropout=p)
+    keep = _band_keep_masks(batch, heads, length, p, seed=5)
+    upstream = torch.randn(batch, heads, length, 64).transpose(1, 2)  # (B, T, H, D), not contiguous
+    (grad,) = torch.autograd.grad(got, qkv, upstream)
+    assert kernel_calls == ["forward", "backward"]
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    expected = _masked_softmax_attention(*qkv64.permute(2, 0, 3, 1, 4).unbind(0), keep, scaling, p)
+    (expected_grad,) = torch.autograd.grad(expected, qkv64, upstream.double())
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad.float(), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_training_attention_on_the_kernel_has_the_second_derivatives_of_the_formula(kernel_calls):
+    """A backward with create_graph=True (a gradient penalty) differentiates the bands through autograd's
+    ops with the kernel's keep masks: second derivatives equal the plain formula's."""
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(1, 2, 130, seed=1))
+    torch.manual_seed(3)
+    got, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.125, dropout=0.1)
+    keep = _band_keep_masks(1, 2, 130, 0.1, seed=3)
+    expected = _masked_softmax_attention(q, k, v, keep, 0.125, 0.1).float()
+    penalty = sum(
+        g.square().sum() for g in torch.autograd.grad(got.sin().sum(), (q, k, v), create_graph=True)
+    )
+    want = sum(
+        g.square().sum() for g in torch.autograd.grad(expected.sin().sum(), (q, k, v), create_graph=True)
+    )
+    second, want_second = torch.autograd.grad(penalty, q), torch.autograd.grad(want, q)
+    # The first backward builds a graph (autograd's ops); the second goes through `got` (sin's derivative)
+    # and runs the kernel's backward.
+    assert kernel_calls == ["forward", "backward"]
+    torch.testing.assert_close(second[0], want_second[0], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_training_step_with_the_kernel_equals_the_step_without_it(
+    layer_norm_position, kernel_calls, monkeypatch
+):
+    """A GPT-2- or GPT-1-shaped model with dropout, heads of 64 and 150 positions: the same seed gives the
+    same loss and gradients with the kernel as with torch's bands (the same keep masks)."""
+    config = GPTConfig(
+        vocab_size=96,
+        n_positions=160,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        layer_norm_position=layer_norm_position,
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config).train()
+    ids = torch.randint(0, 96, (2, 150))
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        torch.manual_seed(7)
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = step()
+    assert kernel_calls == ["forward"] * 2 + ["backward"] * 2  # both layers
+    monkeypatch.setattr(ops_hfgpt, "native_attention_takes", lambda *a: False)
+    plain_loss, plain_grads = step()
+    assert len(kernel_calls) == 4
+    torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,16 +1,23 @@
-/* hfgpt's causal self-attention for CPU inference (prefill): out = softmax(scale Q K^T, causal) V, per
- * batch entry and head, for heads of D = 64 (every GPT-1 and GPT-2 size) in float32.
+/* hfgpt's causal self-attention on the CPU: out = softmax(scale Q K^T, causal) V per batch entry and
+ * head, for heads of D = 64 (every GPT-1 and GPT-2 size) in float32. For prefill (no dropout), and for
+ * training with dropout on the weights, forward and backward.
  *
- * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called by
- * `native_causal_attention` in ops_hfgpt.py, which falls back to torch's sdpa (in bands) wherever this
- * does not apply. Torch's CPU flash-attention kernel spends half its time outside the arithmetic on
- * GPT-2's short heads of 64; this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and
- * works R = 8 query rows at a time:
+ * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called from
+ * ops_hfgpt.py (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training), which run
+ * torch's ops wherever this does not apply. Torch's CPU flash-attention kernel spends half its time
+ * outside the arithmetic on GPT-2's short heads of 64; this one holds a head's keys transposed ([D][T],
+ * 128 KB at T = 512, in L2) and works R = 8 query rows at a time:
  *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, 8 rows x 32 keys in
- *           16 AVX-512 accumulators, one broadcast of q[r][d] per 2 FMAs;
+ *           16 AVX-512 accumulators, one broadcast of q[r][d] per 2 FMAs (`dots`);
  *   softmax per row over j <= i (the row's own position), exactly: max, exp(S - max), sum (the block's
  *           scores are all in cache, so no running rescaling is needed);
- *   values  O[r] = sum_j P[r][j] v_j / sum, half a head (32 values) at a time.
+ *   values  O[r] = sum_j P[r][j] v_j / sum, half a head (32 values) at a time (`weighted_rows`).
+ * Training saves P and drops weights with the keep masks it is given (P * keep / (1 - p)), in the band
+ * layout of `_BandedDropoutAttention`. Its backward, per block of 8 rows, with P' the dropped weights:
+ *   dP'[r][j] = dout_r . v_j (`dots` on V transposed); dP = dP' * keep / (1 - p);
+ *   dS = scale * P * (dP - sum_j P dP) (the softmax's backward);
+ *   dq_r = sum_j dS[r][j] k_j (`weighted_rows`); dk_j += sum_r dS[r][j] q_r and dv_j += sum_r P'[r][j]
+ *   dout_r, into per-head sums (`rank_update`).
  * Each (batch, head) is one task for the OpenMP threads, and the sums for one output run in a fixed
  * order, so the result does not depend on the number of threads.
  *
@@ -27,6 +34,16 @@
 #define D 64 /* head size */
 #define R 8  /* query rows per block */
 #define KB 32 /* keys per block of scores */
+
+/* Dropout of the weights in training: per band of `band` query rows (starting at multiples of `band`,
+ * a multiple of R), keep[b] (uint8, 1 = kept) and probs[b] (float32) are (B*H, rows of the band, keys up
+ * to the band's last row) contiguous, as `_BandedDropoutAttention` draws and saves them. */
+typedef struct {
+    const uint8_t *const *keep;
+    float *const *probs;
+    int64_t band;
+    float pscale; /* 1 / (1 - p) */
+} dropout_t;
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,39 +71,126 @@ static inline __mmask16 first(int64_t n) /* lanes below n (0 <= n) */
     return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
 }
 
-/* One head: q, k, v rows at strides qst, kst, vst (D contiguous floats each), out rows at ost. Scratch:
- * kt [D][tp] and s [R][tp], tp = T rounded up to KB. */
-static void head(const float *q, int64_t qst, const float *k, int64_t kst, const float *v, int64_t vst, float *o,
-                 int64_t ost, int64_t T, float scale, float *kt, float *s)
+/* Offset of row i of head t (of B*H) in its band's (B*H, rows, stop) tensors; *stop = the band's keys. */
+static inline int64_t band_row(const dropout_t *dp, int64_t T, int64_t t, int64_t i, int64_t *band_index,
+                               int64_t *stop)
+{
+    const int64_t b = i / dp->band, start = b * dp->band;
+    *stop = start + dp->band < T ? start + dp->band : T;
+    *band_index = b;
+    return (t * (*stop - start) + (i - start)) * *stop;
+}
+
+/* keep[j..j+16) * pscale as floats, lanes below `lanes` only (no read past them). */
+static inline __m512 kept(const uint8_t *keep, int64_t lanes, __m512 pscale)
+{
+    const __m128i bytes = _mm_maskz_loadu_epi8(first(lanes), keep);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), pscale);
+}
+
+/* A head's rows 0..T-1 (stride st) transposed into mt [D][tp], zero past T. */
+static void transpose_head(const float *m, int64_t st, int64_t T, int64_t tp, float *mt)
+{
+    for (int64_t j = 0; j < T; j++)
+        for (int d = 0; d < D; d++) mt[d * tp + j] = m[j * st + d];
+    for (int d = 0; d < D; d++)
+        for (int64_t j = T; j < tp; j++) mt[d * tp + j] = 0.0f;
+}
+
+/* out[r][j] = f * x_r . m_j for the R rows x and j < nk (a multiple of KB), m held transposed [D][tp]. */
+static void dots(const float *const *x, const float *mt, int64_t tp, int64_t nk, float f, float *out)
+{
+    const __m512 fv = _mm512_set1_ps(f);
+    for (int64_t j0 = 0; j0 < nk; j0 += KB) {
+        __m512 a[R][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 m0 = _mm512_loadu_ps(mt + d * tp + j0), m1 = _mm512_loadu_ps(mt + d * tp + j0 + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 b = _mm512_set1_ps(x[r][d]);
+                a[r][0] = _mm512_fmadd_ps(b, m0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(b, m1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm512_storeu_ps(out + r * tp + j0, _mm512_mul_ps(a[r][0], fv));
+            _mm512_storeu_ps(out + r * tp + j0 + 16, _mm512_mul_ps(a[r][1], fv));
+        }
+    }
+}
+
+/* dst_r = f[r] * sum_{j < n} w[r][j] m_j for r < rows (block of rows i0..), where row r reads m_j only for
+ * j <= i0 + r: a row never reads a later position (a NaN there must not reach it). */
+static void weighted_rows(const float *w, int64_t tp, const float *m, int64_t mst, int64_t n, int64_t i0, int rows,
+                          const float *f, float *dst, int64_t dst_st)
+{
+    for (int half = 0; half < 2; half++) {
+        __m512 a[R][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const float *mj = m + j * mst + 32 * half;
+            const __m512 m0 = _mm512_loadu_ps(mj), m1 = _mm512_loadu_ps(mj + 16);
+            for (int r = j < i0 ? 0 : (int)(j - i0); r < R; r++) {
+                const __m512 b = _mm512_set1_ps(w[r * tp + j]);
+                a[r][0] = _mm512_fmadd_ps(b, m0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(b, m1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 fv = _mm512_set1_ps(f[r]);
+            float *row = dst + (i0 + r) * dst_st + 32 * half;
+            _mm512_storeu_ps(row, _mm512_mul_ps(a[r][0], fv));
+            _mm512_storeu_ps(row + 16, _mm512_mul_ps(a[r][1], fv));
+        }
+    }
+}
+
+/* acc[j] += sum_r w[r][j] x_r for j < n (acc rows of D floats), over the rows r >= j - i0 that see key j. */
+static void rank_update(const float *w, int64_t tp, const float *const *x, int64_t n, int64_t i0, float *acc)
+{
+    for (int half = 0; half < 2; half++) {
+        __m512 xr[R][2];
+        for (int r = 0; r < R; r++) {
+            xr[r][0] = _mm512_loadu_ps(x[r] + 32 * half);
+            xr[r][1] = _mm512_loadu_ps(x[r] + 32 * half + 16);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *aj = acc + j * D + 32 * half;
+            __m512 a0 = _mm512_loadu_ps(aj), a1 = _mm512_loadu_ps(aj + 16);
+            for (int r = j < i0 ? 0 : (int)(j - i0); r < R; r++) {
+                const __m512 b = _mm512_set1_ps(w[r * tp + j]);
+                a0 = _mm512_fmadd_ps(b, xr[r][0], a0);
+                a1 = _mm512_fmadd_ps(b, xr[r][1], a1);
+            }
+            _mm512_storeu_ps(aj, a0);
+            _mm512_storeu_ps(aj + 16, a1);
+        }
+    }
+}
+
+/* Pointers to rows i0.. of a head (stride st); the spare rows of a short last block repeat its last row. */
+static inline void block_rows(const float *m, int64_t st, int64_t i0, int rows, const float **out)
+{
+    for (int r = 0; r < R; r++) out[r] = m + (i0 + (r < rows ? r : rows - 1)) * st;
+}
+
+/* Forward of one head (t of B*H): q, k, v rows at strides qst, kst, vst (D contiguous floats each), out rows
+ * at ost. Without dropout (dp NULL), inference; with it, the probabilities are saved and the weights
+ * dropped. Scratch: kt [D][tp] and s [R][tp], tp = T rounded up to KB. */
+static void head_forward(const float *q, int64_t qst, const float *k, int64_t kst, const float *v, int64_t vst,
+                         float *o, int64_t ost, int64_t T, float scale, const dropout_t *dp, int64_t t, float *scratch)
 {
     const int64_t tp = (T + KB - 1) / KB * KB;
-    for (int64_t j = 0; j < T; j++)
-        for (int d = 0; d < D; d++) kt[d * tp + j] = k[j * kst + d];
-    for (int d = 0; d < D; d++)
-        for (int64_t j = T; j < tp; j++) kt[d * tp + j] = 0.0f;
-    const __m512 sc = _mm512_set1_ps(scale);
+    float *kt = scratch, *s = scratch + D * tp;
+    transpose_head(k, kst, T, tp, kt);
+    const __m512 pscale = _mm512_set1_ps(dp ? dp->pscale : 1.0f);
     for (int64_t i0 = 0; i0 < T; i0 += R) {
         const int rows = T - i0 < R ? (int)(T - i0) : R;
         const int64_t n = i0 + rows, nk = (n + KB - 1) / KB * KB; /* keys seen by the block's last row */
         const float *qr[R];
-        for (int r = 0; r < R; r++) qr[r] = q + (i0 + (r < rows ? r : rows - 1)) * qst; /* spare rows repeat */
-        for (int64_t j0 = 0; j0 < nk; j0 += KB) {
-            __m512 a[R][2];
-            for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-            for (int d = 0; d < D; d++) {
-                const __m512 k0 = _mm512_loadu_ps(kt + d * tp + j0), k1 = _mm512_loadu_ps(kt + d * tp + j0 + 16);
-                for (int r = 0; r < R; r++) {
-                    const __m512 b = _mm512_set1_ps(qr[r][d]);
-                    a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
-                    a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                _mm512_storeu_ps(s + r * tp + j0, _mm512_mul_ps(a[r][0], sc));
-                _mm512_storeu_ps(s + r * tp + j0 + 16, _mm512_mul_ps(a[r][1], sc));
-            }
-        }
-        float inv[R];
+        block_rows(q, qst, i0, rows, qr);
+        dots(qr, kt, tp, nk, scale, s);
+        float f[R];
         for (int r = 0; r < R; r++) {
             float *sr = s + r * tp;
             const int64_t seen = r < rows ? i0 + r + 1 : 0; /* keys 0..i: causal */
@@ -100,29 +204,89 @@ static void head(const float *q, int64_t qst, const float *k, int64_t kst, const
                 _mm512_storeu_ps(sr + j, e);
                 sum = _mm512_add_ps(sum, e);
             }
-            inv[r] = seen ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
-        }
-        for (int half = 0; half < 2; half++) {
-            __m512 a[R][2];
-            for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const float *vj = v + j * vst + 32 * half;
-                const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-                /* A row never reads a later position's values (a NaN there must not reach it). */
-                for (int r = j < i0 ? 0 : (int)(j - i0); r < R; r++) {
-                    const __m512 b = _mm512_set1_ps(s[r * tp + j]);
-                    a[r][0] = _mm512_fmadd_ps(b, v0, a[r][0]);
-                    a[r][1] = _mm512_fmadd_ps(b, v1, a[r][1]);
+            f[r] = seen ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+            if (dp && seen) { /* save P = e / sum; weights P * keep / (1 - p) */
+                int64_t b, stop;
+                const int64_t off = band_row(dp, T, t, i0 + r, &b, &stop);
+                float *pr = dp->probs[b] + off;
+                const uint8_t *kr = dp->keep[b] + off;
+                const __m512 inv = _mm512_set1_ps(f[r]);
+                for (int64_t j = 0; j < stop; j += 16) {
+                    const __m512 pj = j < nk ? _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv) : _mm512_setzero_ps();
+                    _mm512_mask_storeu_ps(pr + j, first(stop - j), pj);
+                    if (j < nk)
+                        _mm512_storeu_ps(sr + j, j < seen ? _mm512_mul_ps(pj, kept(kr + j, seen - j, pscale)) : pj);
                 }
-            }
-            for (int r = 0; r < rows; r++) {
-                const __m512 iv = _mm512_set1_ps(inv[r]);
-                float *orow = o + (i0 + r) * ost + 32 * half;
-                _mm512_storeu_ps(orow, _mm512_mul_ps(a[r][0], iv));
-                _mm512_storeu_ps(orow + 16, _mm512_mul_ps(a[r][1], iv));
+                f[r] = 1.0f;
             }
         }
+        weighted_rows(s, tp, v, vst, n, i0, rows, f, o, ost);
     }
+}
+
+/* Backward of one head with dropout: gradients dq, dk, dv (rows at their strides) from dout. Scratch: vt
+ * [D][tp], ds and pd [R][tp], dk and dv sums [tp][D]. */
+static void head_backward(const float *q, int64_t qst, const float *k, int64_t kst, const float *v, int64_t vst,
+                          const float *dout, int64_t dost, float *dq, int64_t dqst, float *dk, int64_t dkst, float *dv,
+                          int64_t dvst, int64_t T, float scale, const dropout_t *dp, int64_t t, float *scratch)
+{
+    const int64_t tp = (T + KB - 1) / KB * KB;
+    float *vt = scratch, *ds = vt + D * tp, *pd = ds + R * tp, *dk_sum = pd + R * tp, *dv_sum = dk_sum + tp * D;
+    transpose_head(v, vst, T, tp, vt);
+    memset(dk_sum, 0, sizeof(float) * (size_t)(2 * tp * D));
+    const __m512 pscale = _mm512_set1_ps(dp->pscale), sc = _mm512_set1_ps(scale);
+    const float ones[R] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int64_t i0 = 0; i0 < T; i0 += R) {
+        const int rows = T - i0 < R ? (int)(T - i0) : R;
+        const int64_t n = i0 + rows, nk = (n + KB - 1) / KB * KB;
+        const float *gr[R], *qr[R];
+        block_rows(dout, dost, i0, rows, gr);
+        block_rows(q, qst, i0, rows, qr);
+        dots(gr, vt, tp, nk, 1.0f, ds); /* gradient of the dropped weights: dout_i . v_j */
+        for (int r = 0; r < R; r++) {
+            float *dsr = ds + r * tp, *pdr = pd + r * tp;
+            const int64_t seen = r < rows ? i0 + r + 1 : 0;
+            if (!seen) {
+                memset(dsr, 0, sizeof(float) * (size_t)nk);
+                memset(pdr, 0, sizeof(float) * (size_t)nk);
+                continue;
+            }
+            int64_t b, stop;
+            const int64_t off = band_row(dp, T, t, i0 + r, &b, &stop);
+            const float *pr = dp->probs[b] + off;
+            const uint8_t *kr = dp->keep[b] + off;
+            __m512 delta = _mm512_setzero_ps(); /* sum_j P dP: the softmax's backward */
+            for (int64_t j = 0; j < seen; j += 16) {
+                const __mmask16 lanes = first(seen - j);
+                const __m512 kj = kept(kr + j, seen - j, pscale), pj = _mm512_maskz_loadu_ps(lanes, pr + j);
+                const __m512 dp_j = _mm512_mul_ps(_mm512_loadu_ps(dsr + j), kj);
+                _mm512_storeu_ps(dsr + j, dp_j);
+                _mm512_storeu_ps(pdr + j, _mm512_mul_ps(pj, kj));
+                delta = _mm512_fmadd_ps(pj, dp_j, delta);
+            }
+            const __m512 dv_ = _mm512_set1_ps(_mm512_reduce_add_ps(delta));
+            for (int64_t j = 0; j < nk; j += 16) {
+                const __mmask16 lanes = j < seen ? first(seen - j) : 0;
+                const __m512 pj = _mm512_maskz_loadu_ps(lanes, pr + j);
+                const __m512 g = _mm512_mul_ps(_mm512_mul_ps(pj, _mm512_sub_ps(_mm512_loadu_ps(dsr + j), dv_)), sc);
+                _mm512_storeu_ps(dsr + j, _mm512_maskz_mov_ps(lanes, g));
+                _mm512_storeu_ps(pdr + j, _mm512_maskz_mov_ps(lanes, _mm512_loadu_ps(pdr + j)));
+            }
+        }
+        weighted_rows(ds, tp, k, kst, n, i0, rows, ones, dq, dqst); /* dq_i = sum_j dS_ij k_j */
+        rank_update(ds, tp, qr, n, i0, dk_sum);                    /* dk_j += sum_i dS_ij q_i */
+        rank_update(pd, tp, gr, n, i0, dv_sum);                    /* dv_j += sum_i P'_ij dout_i */
+    }
+    for (int64_t j = 0; j < T; j++) {
+        memcpy(dk + j * dkst, dk_sum + j * D, sizeof(float) * D);
+        memcpy(dv + j * dvst, dv_sum + j * D, sizeof(float) * D);
+    }
+}
+/* Scratch floats per thread: head_forward's or head_backward's. */
+static int64_t scratch_floats(int64_t T, int backward)
+{
+    const int64_t tp = (T + KB - 1) / KB * KB;
+    return backward ? (D + 2 * R) * tp + 2 * tp * D : (D + R) * tp;
 }
 #else
 #define VECTORIZED 0
@@ -131,19 +295,20 @@ static void head(const float *q, int64_t qst, const float *k, int64_t kst, const
 /* 1 where this build has the AVX-512 kernel; 0 elsewhere (the caller then runs torch's sdpa). */
 int hfgpt_attention_vectorized(void) { return VECTORIZED; }
 
+
 /* q, k, v, out: (B, H, T, D) with strides [batch, head, position] given in floats (the last dimension
- * contiguous). Returns 0; 1 where scratch memory could not be allocated; 2 in a build without the kernel. */
-int hfgpt_causal_attention(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H,
-                           int64_t T, const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os,
-                           float scale, int threads)
+ * contiguous). keep and probs: NULL for inference, else dropout's band tensors (dropout_t). Returns 0; 1
+ * where scratch memory could not be allocated; 2 in a build without the kernel. */
+static int forward(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H, int64_t T,
+                   const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os, float scale,
+                   const dropout_t *dp, int threads)
 {
 #if VECTORIZED
     if (B <= 0 || H <= 0 || T <= 0) return 0;
-    const int64_t tp = (T + KB - 1) / KB * KB;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scratch = (float *)aligned_alloc(64, sizeof(float) * (size_t)((D + R) * tp));
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)scratch_floats(T, 0));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -152,15 +317,72 @@ int hfgpt_causal_attention(const float *q, const float *k, const float *v, float
         for (int64_t t = 0; t < B * H; t++) {
             if (!scratch) continue;
             const int64_t b = t / H, h = t % H;
-            head(q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
-                 vs[2], out + b * os[0] + h * os[1], os[2], T, scale, scratch, scratch + D * tp);
+            head_forward(q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
+                         vs[2], out + b * os[0] + h * os[1], os[2], T, scale, dp, t, scratch);
         }
         free(scratch);
     }
     return failed;
 #else
     (void)q, (void)k, (void)v, (void)out, (void)B, (void)H, (void)T, (void)qs, (void)ks, (void)vs, (void)os;
-    (void)scale, (void)threads;
+    (void)scale, (void)dp, (void)threads;
+    return 2;
+#endif
+}
+
+int hfgpt_causal_attention(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H,
+                           int64_t T, const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os,
+                           float scale, int threads)
+{
+    return forward(q, k, v, out, B, H, T, qs, ks, vs, os, scale, NULL, threads);
+}
+
+/* Training forward with dropout p (pscale = 1 / (1 - p)): also writes the probabilities into probs. */
+int hfgpt_attention_train_forward(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H,
+                                  int64_t T, const int64_t *qs, const int64_t *ks, const int64_t *vs,
+                                  const int64_t *os, float scale, const uint8_t *const *keep, float *const *probs,
+                                  int64_t band, float pscale, int threads)
+{
+    if (band <= 0 || band % R) return 3;
+    const dropout_t dp = {keep, probs, band, pscale};
+    return forward(q, k, v, out, B, H, T, qs, ks, vs, os, scale, &dp, threads);
+}
+
+/* Its backward: dq, dk, dv (B, H, T, D) from dout (B, H, T, D strides as above). */
+int hfgpt_attention_train_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
+                                   float *dk, float *dv, int64_t B, int64_t H, int64_t T, const int64_t *qs,
+                                   const int64_t *ks, const int64_t *vs, const int64_t *dos, const int64_t *dqs,
+                                   const int64_t *dks, const int64_t *dvs, float scale, const uint8_t *const *keep,
+                                   float *const *probs, int64_t band, float pscale, int threads)
+{
+#if VECTORIZED
+    if (band <= 0 || band % R) return 3;
+    if (B <= 0 || H <= 0 || T <= 0) return 0;
+    const dropout_t dp = {keep, probs, band, pscale};
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)scratch_floats(T, 1));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * H; t++) {
+            if (!scratch) continue;
+            const int64_t b = t / H, h = t % H;
+            head_backward(q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
+                          vs[2], dout + b * dos[0] + h * dos[1], dos[2], dq + b * dqs[0] + h * dqs[1], dqs[2],
+                          dk + b * dks[0] + h * dks[1], dks[2], dv + b * dvs[0] + h * dvs[1], dvs[2], T, scale, &dp, t,
+                          scratch);
+        }
+        free(scratch);
+    }
+    return failed;
+#else
+    (void)q, (void)k, (void)v, (void)dout, (void)dq, (void)dk, (void)dv, (void)B, (void)H, (void)T, (void)qs;
+    (void)ks, (void)vs, (void)dos, (void)dqs, (void)dks, (void)dvs, (void)scale, (void)keep, (void)probs;
+    (void)band, (void)pscale, (void)threads;
     return 2;
 #endif
 }
