@@ -9,7 +9,8 @@ The step is `bench_model.py`'s (forward with labels, backward, fused AdamW, drop
 contender runs a few plain steps first (timed without instrumentation), then steps under a
 `TorchDispatchMode` that times every op torch dispatches and counts the minor page faults (first touches
 of fresh memory) during it. An op's time includes what it runs inside C++ (oneDNN's linear op copies a
-transposed input itself: that copy is part of the product here). Matrix products (oneDNN's linear op,
+transposed input itself: that copy is part of the product here); hfgpt's C attention kernel, called
+through ctypes, is timed as an op of its own ("hfgpt C kernel ..."). Matrix products (oneDNN's linear op,
 `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with their FLOPs from the shapes, so their own rate
 can be set beside the rest of the step. The mode costs a few microseconds an op, so its step total runs a
 little above the plain step time; compare the two contenders, and the shares, not absolute times with
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import PROFILES, build_ours, build_peer, make_train_step, write_json  # noqa: E402
 
+from hfgpt.modeling import ops_hfgpt  # noqa: E402
 from hfgpt.modeling.cpu_runtime import keep_freed_memory  # noqa: E402
 
 PRODUCTS = ("mkldnn._linear_pointwise", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
@@ -88,8 +90,31 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
+class _TimedLibrary:
+    """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C attention
+    kernel is called through ctypes, where no dispatch mode sees it."""
+
+    def __init__(self, library: Any, timer: OpTimer) -> None:
+        self._library, self._timer = library, timer
+
+    def __getattr__(self, name: str) -> Callable:
+        function = getattr(self._library, name)
+
+        def timed(*args: Any) -> Any:
+            faults, start = _faults(), time.perf_counter()
+            out = function(*args)
+            entry = self._timer.stats[(f"hfgpt C kernel {name}", "")]
+            entry[0] += time.perf_counter() - start
+            entry[1] += _faults() - faults
+            entry[2] += 1
+            return out
+
+        return timed
+
+
 def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) -> dict[str, Any]:
-    """Plain step times (median), then `measured` steps under `OpTimer`, per step."""
+    """Plain step times (median), then `measured` steps under `OpTimer`, per step (hfgpt's C kernels
+    included, as ops of their own)."""
     for _ in range(warmup):
         step()
     times, faults = [], []
@@ -99,9 +124,14 @@ def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) 
         times.append(time.perf_counter() - t0)
         faults.append(_faults() - f0)
     timer = OpTimer()
-    with timer:
-        for _ in range(measured):
-            step()
+    kernel = ops_hfgpt._attention_kernel
+    ops_hfgpt._attention_kernel = lambda: None if kernel() is None else _TimedLibrary(kernel(), timer)
+    try:
+        with timer:
+            for _ in range(measured):
+                step()
+    finally:
+        ops_hfgpt._attention_kernel = kernel
     ops = [
         {
             "op": name,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import bench_model  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +295,28 @@ def test_step_breakdown_times_both_steps_op_by_op_and_counts_their_products(tmp_
         assert result["step_seconds"] > 0 and result["faults_per_step"] >= 0
         assert any(op["op"].startswith("aten.randint") for op in result["ops"]) == (impl == "hfgpt")
         assert f"## {impl}: " in table
+
+
+def test_step_breakdown_times_hfgpts_c_attention_kernel_as_ops_of_its_own():
+    """hfgpt's C attention kernel runs through ctypes, unseen by the dispatch mode: the breakdown times its
+    forward and backward calls as ops (a GPT-2-shaped layer with heads of 64 at 128 positions)."""
+    import step_breakdown
+
+    from hfgpt.modeling import ops_hfgpt
+
+    if ops_hfgpt._attention_kernel() is None:
+        pytest.skip("no C compiler or no AVX-512: the attention kernel is not built here")
+    overrides = dict(n_embd=128, n_layer=1, n_head=2, vocab_size=1000, n_positions=128)
+    model = bench_model.build_ours("gpt2", overrides, "cpu")
+    step = bench_model.make_train_step(model, torch.randint(0, 1000, (1, 128)))
+    result = step_breakdown.breakdown(step, warmup=0, plain=1, measured=1)
+    kernel_ops = {op["op"]: op for op in result["ops"] if op["op"].startswith("hfgpt C kernel")}
+    assert set(kernel_ops) == {
+        "hfgpt C kernel hfgpt_attention_train_forward",
+        "hfgpt C kernel hfgpt_attention_train_backward",
+    }
+    assert all(op["calls"] == 1 and op["seconds"] > 0 for op in kernel_ops.values())
+    assert ops_hfgpt._attention_kernel().__class__.__name__ == "CDLL"  # restored after the steps
 
 
 @pytest.mark.parametrize(
