@@ -323,3 +323,29 @@ def test_training_step_with_the_kernel_equals_the_step_without_it(
     torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@needs_kernel
+def test_gradient_checkpointing_replays_the_kernels_keep_masks(kernel_calls):
+    """Checkpointing runs each block's forward again in backward: the kernel's keep masks come from the
+    default generator, whose state torch.utils.checkpoint restores, so the gradients are those of the
+    plain step."""
+    config = GPTConfig(
+        vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.3, attn_pdrop=0.3
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config).train()
+    ids = torch.randint(0, 96, (2, 150))
+
+    def grads() -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = grads()
+    assert kernel_calls.count("forward") == 2 + 4  # the checkpointed step runs each forward twice
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
