@@ -154,6 +154,21 @@ def load(path: Path, name: str) -> ctypes.CDLL:
     return library
 
 
+def dispatch_modes_allow() -> bool:
+    """Whether a kernel may run in place of torch's ops here: no torch dispatch mode is active, or each
+    active one declares `hfgpt_times_native_kernels = True` (benchmarks/step_breakdown.py's timer). A call
+    through ctypes is invisible to such modes: `make_fx` would record a graph without it, FakeTensorMode
+    and FlopCounterMode would miss its work, so callers run torch's ops under them."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if torch._C._len_torch_dispatch_stack() == 0:  # (~0.1 us: the common case)
+        return True
+    return all(
+        getattr(mode, "hfgpt_times_native_kernels", False) for mode in _get_current_dispatch_mode_stack()
+    )
+
+
 @functools.cache
 def kernel(name: str) -> ctypes.CDLL | None:
     """The library `csrc/{name}.c`, built if needed; None (with one warning) where it cannot be built or
@@ -172,4 +187,4 @@ def kernel(name: str) -> ctypes.CDLL | None:
         return None
 
 
-__all__ = ["NativeBuildError", "build", "cache_dir", "kernel", "load"]
+__all__ = ["NativeBuildError", "build", "cache_dir", "dispatch_modes_allow", "kernel", "load"]

@@ -23,7 +23,7 @@ import ctypes
 import math
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -404,7 +404,8 @@ class _BandedDropoutAttention(torch.autograd.Function):
         ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
         ctx.native = native_attention_takes(query, key, value, attention_mask)
         if ctx.native:
-            out, saved = _native_dropout_attention(query, key, value, scaling, p)
+            ctx.library = _attention_kernel()  # (the backward runs on the library the forward ran on)
+            out, saved = _native_dropout_attention(ctx.library, query, key, value, scaling, p)
             ctx.save_for_backward(query, key, value, *saved)
             return out
         batch, heads, length, dim = query.shape
@@ -469,8 +470,15 @@ class _BandedDropoutAttention(torch.autograd.Function):
         return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
 
 
+def _kernel_failed(status: int, length: int) -> NoReturn:
+    """The error for a nonzero status of the C attention kernel (csrc/attention.c's return values)."""
+    if status == 1:
+        raise MemoryError(f"attention kernel: no scratch memory for {length} positions")
+    raise RuntimeError(f"attention kernel: refused its arguments (status {status}, {length} positions)")
+
+
 def _native_dropout_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, p: float
+    library: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, p: float
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`_BandedDropoutAttention`'s forward by the C kernel: the same keep masks, drawn band by band in the
     same order, and the same saved probabilities (each band's (B*H, rows, keys up to its last row))."""
@@ -482,13 +490,13 @@ def _native_dropout_attention(
         keeps.append(keep_mask((batch, heads, stop - start, stop), p, query.device).view(shape))
         probs.append(query.new_empty(shape))
     out = query.new_empty(batch, length, heads, dim)
-    status = _attention_kernel().hfgpt_attention_train_forward(
+    status = library.hfgpt_attention_train_forward(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), batch, heads, length,
         _strides(query), _strides(key), _strides(value), _strides(out.transpose(1, 2)), scaling,
         _pointers(keeps), _pointers(probs), ATTENTION_BAND, 1.0 / (1.0 - p), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(f"attention kernel: no scratch memory for {length} positions (status {status})")
+        _kernel_failed(status, length)
     return out, [t for pair in zip(probs, keeps, strict=True) for t in pair]
 
 
@@ -505,14 +513,14 @@ def _native_dropout_attention_backward(
     batch, heads, length, dim = query.shape
     grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     grads = [query.new_empty(batch, heads, length, dim) for _ in range(3)]
-    status = _attention_kernel().hfgpt_attention_train_backward(
+    status = ctx.library.hfgpt_attention_train_backward(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), grad.data_ptr(), *(g.data_ptr() for g in grads),
         batch, heads, length, _strides(query), _strides(key), _strides(value), _strides(grad.transpose(1, 2)),
         *(_strides(g) for g in grads), ctx.scaling, _pointers(saved[1::2]), _pointers(saved[0::2]),
         ATTENTION_BAND, 1.0 / (1.0 - ctx.p), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(f"attention kernel: no scratch memory for {length} positions (status {status})")
+        _kernel_failed(status, length)
     return grads[0], grads[1], grads[2]
 
 
@@ -630,16 +638,19 @@ def native_attention_takes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
 ) -> bool:
     """Whether the C attention kernel can compute this attention: causal self-attention without a mask (no
-    cached keys, no padding), float32 CPU tensors with heads of 64 and contiguous rows, run eagerly, and
-    the kernel available."""
+    cached keys, no padding) of queries, keys and values of one (B, H, T, 64) shape, float32 CPU tensors
+    with contiguous rows, run eagerly with no dispatch mode to see torch's ops (`native.dispatch_modes_allow`),
+    and the kernel available."""
     tensors = (query, key, value)
     return (
         attention_mask is None
-        and key.shape[-2] == query.shape[-2]
+        and query.dim() == 4
         and query.shape[-1] == NATIVE_HEAD_SIZE
+        and key.shape == query.shape == value.shape
         and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
         and values_readable(*tensors)
         and _attention_kernel() is not None
+        and native.dispatch_modes_allow()
     )
 
 
@@ -688,7 +699,7 @@ def native_causal_attention(
         torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
-        raise MemoryError(f"native_causal_attention: no scratch memory for {length} positions")
+        _kernel_failed(status, length)
     return output, None
 
 

@@ -14,11 +14,13 @@ from hfgpt.modeling.ops_hfgpt import native_attention_applies, native_causal_att
 
 
 def _cpu_has_avx512() -> bool:
+    """AVX-512 F, BW and VL: what the kernel's vector path is compiled for."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512f" in next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
 
 
 # The kernel is built with the machine's C compiler for CPUs with AVX-512 (CI's have both); elsewhere the
@@ -128,6 +130,43 @@ def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
     assert not native_attention_applies(*(t.transpose(2, 3) for t in (q, k, v)), None)  # strided rows
     assert not native_attention_applies(q.clone().requires_grad_(), k, v, None)  # autograd: sdpa's backward
     assert not native_attention_applies(*(t.to("meta") for t in (q, k, v)), None)  # no values to read
+    # Shapes sdpa broadcasts or accepts, which the kernel does not read: fewer key and value heads, values
+    # of another width, a 3-D input.
+    assert not native_attention_applies(q, k[:, :1], v[:, :1], None)
+    assert not native_attention_applies(q, k, v[..., :32], None)
+    assert not native_attention_applies(q[0], k[0], v[0], None)
+
+
+@needs_kernel
+def test_dispatch_modes_see_torch_ops_instead_of_the_kernel():
+    """A ctypes call is invisible to torch's dispatch modes: under `make_fx` the recorded graph must hold
+    the attention (replayed on new inputs it gives their attention), and a mode that counts ops (as
+    FlopCounterMode does) must see it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def attention(q, k, v):
+        if native_attention_applies(q, k, v, None):
+            return native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125).transpose(1, 2)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.contiguous() for t in _qkv(1, 2, 40))
+    graph = make_fx(attention, tracing_mode="real")(q, k, v)
+    new = [t.contiguous() for t in _qkv(1, 2, 40, seed=1)]
+    torch.testing.assert_close(graph(*new), _sdpa(*new, 0.125), atol=1e-5, rtol=1e-5)
+    with Ops() as ops:
+        attention(q, k, v)
+    assert any("scaled_dot_product" in name for name in ops.names)
+    assert native_attention_applies(q, k, v, None)  # and outside the modes, the kernel
 
 
 def test_without_the_kernel_prefill_takes_sdpa(monkeypatch):

@@ -264,3 +264,15 @@ def test_hfgpt_native_0_turns_the_kernel_off(monkeypatch):
         layer = _layer(8, 16)
         x = torch.randn(2, 16)
         assert torch.equal(layer(x), layer.reference(x))
+
+
+@needs_cc
+def test_dispatch_modes_see_the_torch_reference_instead_of_the_kernel():
+    """Under `make_fx` (and any torch dispatch mode) the layer runs its torch reference, which the graph
+    records: replayed on another input, the graph gives that input's output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    layer = _layer(37, 45)
+    graph = make_fx(layer, tracing_mode="real")(torch.randn(3, 45))
+    x = torch.randn(3, 45)
+    _close(graph(x), layer.reference(x))

@@ -22,7 +22,7 @@
  * order, so the result does not depend on the number of threads.
  *
  * exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative error ~1e-7, as expf);
- * arguments below -103 give 0 (their true value is under float's smallest subnormal). Each output row
+ * arguments are clamped at -103, whose exp is float's smallest subnormal (1.4e-45, a weight of nothing). Each output row
  * reads only its own query and the keys and values up to its position, as causal sdpa: a NaN or an
  * infinity there gives NaN outputs in that row (as in sdpa), and never reaches an earlier row.
  */
@@ -45,7 +45,7 @@ typedef struct {
     float pscale; /* 1 / (1 - p) */
 } dropout_t;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VECTORIZED 1
 
@@ -292,13 +292,14 @@ static int64_t scratch_floats(int64_t T, int backward)
 #define VECTORIZED 0
 #endif
 
-/* 1 where this build has the AVX-512 kernel; 0 elsewhere (the caller then runs torch's sdpa). */
+/* 1 where this build has the AVX-512 (F, BW, VL) kernel; 0 elsewhere (the caller then runs torch's sdpa). */
 int hfgpt_attention_vectorized(void) { return VECTORIZED; }
 
 
 /* q, k, v, out: (B, H, T, D) with strides [batch, head, position] given in floats (the last dimension
  * contiguous). keep and probs: NULL for inference, else dropout's band tensors (dropout_t). Returns 0; 1
- * where scratch memory could not be allocated; 2 in a build without the kernel. */
+ * where scratch memory could not be allocated; 2 in a build without the kernel; (training) 3 for a band
+ * that is not a positive multiple of R. */
 static int forward(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H, int64_t T,
                    const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os, float scale,
                    const dropout_t *dp, int threads)
