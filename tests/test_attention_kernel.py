@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_performance import (  # tests/ is on sys.path
+    assert_checkpointing_keeps_the_gradients,
+    band_keep_masks,
+    masked_softmax_attention,
+    seeded_step,
+)
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, native, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import native_attention_applies, native_causal_attention
@@ -29,6 +35,13 @@ needs_kernel = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None or not _cpu_has_avx512(),
     reason="the attention kernel needs a C compiler and a CPU with AVX-512",
 )
+
+
+def _config(**overrides) -> GPTConfig:
+    """A two-layer model with heads of 64 (128 wide, 2 heads), as every GPT-1 and GPT-2 size has."""
+    return GPTConfig(
+        **{"vocab_size": 96, "n_positions": 160, "n_embd": 128, "n_layer": 2, "n_head": 2, **overrides}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -175,95 +188,64 @@ def test_without_the_kernel_prefill_takes_sdpa(monkeypatch):
     monkeypatch.setenv("HFGPT_NATIVE", "0")
     q, k, v = _qkv(1, 2, 16)
     assert ops_hfgpt._attention_kernel() is None and not native_attention_applies(q, k, v, None)
-    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2)).eval()
+    model = GPTForCausalLM(_config()).eval()
     ids = torch.randint(0, 96, (2, 150))
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, model(ids).logits.detach(), atol=1e-5, rtol=1e-5)
 
 
-@needs_kernel
-@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
-def test_model_prefill_runs_the_kernel_and_equals_its_autograd_forward(layer_norm_position, monkeypatch):
-    """A GPT-2 (pre-norm) or GPT-1 (post-norm) model with heads of 64: inference without a mask runs the
-    kernel in every layer and gives the logits of the autograd forward (sdpa); with left padding (a mask)
-    it runs sdpa."""
-    config = GPTConfig(
-        vocab_size=96,
-        n_positions=160,
-        n_embd=128,
-        n_layer=2,
-        n_head=2,
-        layer_norm_position=layer_norm_position,
-    )
-    torch.manual_seed(0)
-    model = GPTForCausalLM(config).eval()
+@pytest.fixture
+def prefill_calls(monkeypatch) -> list[torch.Size]:
+    """Records the query shape of each attention the model runs on the kernel without autograd."""
     calls = []
     monkeypatch.setattr(
         modeling_hfgpt,
         "native_causal_attention",
         lambda *a, **k: calls.append(a[1].shape) or native_causal_attention(*a, **k),
     )
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
+def test_model_prefill_runs_the_kernel_and_equals_its_autograd_forward(layer_norm_position, prefill_calls):
+    """A GPT-2 (pre-norm) or GPT-1 (post-norm) model with heads of 64: inference without a mask runs the
+    kernel in every layer and gives the logits of the autograd forward (sdpa); with left padding (a mask)
+    it runs sdpa."""
+    config = _config(layer_norm_position=layer_norm_position)
+    torch.manual_seed(0)
+    model = GPTForCausalLM(config).eval()
     ids = torch.randint(0, 96, (2, 150))
     expected = model(ids).logits.detach()
-    assert not calls  # autograd: sdpa
+    assert not prefill_calls  # autograd: sdpa
     with torch.inference_mode():
         got = model(ids).logits
-    assert calls == [(2, 2, 150, 64)] * 2
+    assert prefill_calls == [(2, 2, 150, 64)] * 2
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
     with torch.no_grad():
         model(ids, attention_mask=mask)
-    assert len(calls) == 2
+    assert len(prefill_calls) == 2
 
 
 @needs_kernel
-def test_generate_with_the_kernel_gives_the_tokens_of_sdpa(monkeypatch):
+def test_generate_with_the_kernel_gives_the_tokens_of_sdpa(prefill_calls, monkeypatch):
     """Greedy decoding of a GPT-2-shaped model: the prompt's prefill on the kernel, then the cached steps;
     the same tokens as with the kernel off."""
     torch.manual_seed(0)
-    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2)).eval()
+    model = GPTForCausalLM(_config()).eval()
     ids = torch.randint(0, 96, (1, 40))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=95)
-    calls = []
-    monkeypatch.setattr(
-        modeling_hfgpt,
-        "native_causal_attention",
-        lambda *a, **k: calls.append(a[1].shape) or native_causal_attention(*a, **k),
-    )
     with_kernel = model.generate(ids, **kwargs)
-    assert calls == [(1, 2, 40, 64)] * 2  # the prefill, in both layers
+    assert prefill_calls == [(1, 2, 40, 64)] * 2  # the prefill, in both layers
     monkeypatch.setattr(modeling_hfgpt, "native_attention_applies", lambda *a: False)
     assert torch.equal(with_kernel, model.generate(ids, **kwargs))
-    assert len(calls) == 2
+    assert len(prefill_calls) == 2
 
 
 # --- training: attention with dropout, forward and backward on the kernel ------------------------------
-
-
-def _band_keep_masks(batch: int, heads: int, length: int, p: float, seed: int) -> torch.Tensor:
-    """The keep masks `cpu_dropout_attention` draws after `torch.manual_seed(seed)`: one per band of 64
-    query rows over the keys that band sees, as one (B, H, T, T) mask."""
-    torch.manual_seed(seed)
-    keep = torch.zeros(batch, heads, length, length, dtype=torch.bool)
-    for start in range(0, length, ops_hfgpt.ATTENTION_BAND):
-        stop = min(start + ops_hfgpt.ATTENTION_BAND, length)
-        keep[:, :, start:stop, :stop] = ops_hfgpt.keep_mask((batch, heads, stop - start, stop), p, q_device())
-    return keep
-
-
-def q_device() -> torch.device:
-    return torch.device("cpu")
-
-
-def _masked_softmax_attention(q, k, v, keep, scaling: float, p: float) -> torch.Tensor:
-    """Causal softmax attention with the kept weights scaled by 1 / (1 - p), in float64, as (B, T, H, D)."""
-    q, k, v = q.double(), k.double(), v.double()
-    length = q.shape[-2]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    probs = F.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")), dim=-1)
-    return ((probs * keep / (1 - p)) @ v).transpose(1, 2)
 
 
 @pytest.fixture
@@ -294,13 +276,13 @@ def test_training_attention_on_the_kernel_is_causal_attention_with_the_drawn_mas
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     torch.manual_seed(5)
     got, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=scaling, dropout=p)
-    keep = _band_keep_masks(batch, heads, length, p, seed=5)
+    keep = band_keep_masks(5, batch, heads, length, p)
     upstream = torch.randn(batch, heads, length, 64).transpose(1, 2)  # (B, T, H, D), not contiguous
     (grad,) = torch.autograd.grad(got, qkv, upstream)
     assert kernel_calls == ["forward", "backward"]
 
     qkv64 = qkv.detach().double().requires_grad_()
-    expected = _masked_softmax_attention(*qkv64.permute(2, 0, 3, 1, 4).unbind(0), keep, scaling, p)
+    expected = masked_softmax_attention(*qkv64.permute(2, 0, 3, 1, 4).unbind(0), keep, scaling, p)
     (expected_grad,) = torch.autograd.grad(expected, qkv64, upstream.double())
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad, expected_grad.float(), atol=1e-5, rtol=1e-5)
@@ -313,8 +295,8 @@ def test_training_attention_on_the_kernel_has_the_second_derivatives_of_the_form
     q, k, v = (t.detach().requires_grad_() for t in _qkv(1, 2, 130, seed=1))
     torch.manual_seed(3)
     got, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.125, dropout=0.1)
-    keep = _band_keep_masks(1, 2, 130, 0.1, seed=3)
-    expected = _masked_softmax_attention(q, k, v, keep, 0.125, 0.1).float()
+    keep = band_keep_masks(3, 1, 2, 130, 0.1)
+    expected = masked_softmax_attention(q.double(), k.double(), v.double(), keep, 0.125, 0.1).float()
     penalty = sum(
         g.square().sum() for g in torch.autograd.grad(got.sin().sum(), (q, k, v), create_graph=True)
     )
@@ -335,29 +317,15 @@ def test_training_step_with_the_kernel_equals_the_step_without_it(
 ):
     """A GPT-2- or GPT-1-shaped model with dropout, heads of 64 and 150 positions: the same seed gives the
     same loss and gradients with the kernel as with torch's bands (the same keep masks)."""
-    config = GPTConfig(
-        vocab_size=96,
-        n_positions=160,
-        n_embd=128,
-        n_layer=2,
-        n_head=2,
-        layer_norm_position=layer_norm_position,
-    )
+    config = _config(layer_norm_position=layer_norm_position)
     torch.manual_seed(0)
     model = GPTForCausalLM(config).train()
     ids = torch.randint(0, 96, (2, 150))
 
-    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        torch.manual_seed(7)
-        model.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    loss, grads = step()
+    loss, grads = seeded_step(model, ids)
     assert kernel_calls == ["forward"] * 2 + ["backward"] * 2  # both layers
     monkeypatch.setattr(ops_hfgpt, "native_attention_takes", lambda *a: False)
-    plain_loss, plain_grads = step()
+    plain_loss, plain_grads = seeded_step(model, ids)
     assert len(kernel_calls) == 4
     torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
     for name, grad in plain_grads.items():
@@ -369,22 +337,7 @@ def test_gradient_checkpointing_replays_the_kernels_keep_masks(kernel_calls):
     """Checkpointing runs each block's forward again in backward: the kernel's keep masks come from the
     default generator, whose state torch.utils.checkpoint restores, so the gradients are those of the
     plain step."""
-    config = GPTConfig(
-        vocab_size=96, n_positions=160, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.3, attn_pdrop=0.3
-    )
     torch.manual_seed(0)
-    model = GPTForCausalLM(config).train()
-    ids = torch.randint(0, 96, (2, 150))
-
-    def grads() -> dict[str, torch.Tensor]:
-        torch.manual_seed(7)
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain = grads()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed = grads()
+    model = GPTForCausalLM(_config(resid_pdrop=0.3, attn_pdrop=0.3)).train()
+    assert_checkpointing_keeps_the_gradients(model, torch.randint(0, 96, (2, 150)))
     assert kernel_calls.count("forward") == 2 + 4  # the checkpointed step runs each forward twice
-    for name, grad in plain.items():
-        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -540,13 +540,19 @@ def attention_inputs(batch: int = 2, heads: int = 3, length: int = 7, dim: int =
     return [torch.randn(batch, heads, length, dim, requires_grad=True) for _ in range(3)]
 
 
-def assert_is_masked_softmax_attention(got, q, k, v, keep, scaling=0.3, p=0.2):
-    """`got` (B, T, H, D) has the values and the q, k, v gradients of causal softmax attention with the
-    kept weights scaled by 1 / (1 - p)."""
+def masked_softmax_attention(q, k, v, keep, scaling: float, p: float) -> torch.Tensor:
+    """Causal softmax attention with the kept weights scaled by 1 / (1 - p), as (B, T, H, D), in the
+    inputs' dtype."""
     length = q.shape[-2]
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     probs = F.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")), dim=-1)
-    expected = ((probs * keep / (1 - p)) @ v).transpose(1, 2)
+    return ((probs * keep / (1 - p)) @ v).transpose(1, 2)
+
+
+def assert_is_masked_softmax_attention(got, q, k, v, keep, scaling=0.3, p=0.2):
+    """`got` (B, T, H, D) has the values and the q, k, v gradients of causal softmax attention with the
+    kept weights scaled by 1 / (1 - p)."""
+    expected = masked_softmax_attention(q, k, v, keep, scaling, p)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
@@ -564,13 +570,16 @@ def test_cpu_dropout_attention_is_sdpa_with_the_drawn_mask():
     assert_is_masked_softmax_attention(got, q, k, v, keep)
 
 
-def band_keep_masks(seed: int) -> torch.Tensor:
-    """The keep masks that `cpu_dropout_attention` draws after `torch.manual_seed(seed)` for 2 x 3 heads
-    of 150 positions (bands of 64 query rows, p = 0.2), as one (2, 3, 150, 150) mask."""
+def band_keep_masks(
+    seed: int, batch: int = 2, heads: int = 3, length: int = 150, p: float = 0.2
+) -> torch.Tensor:
+    """The keep masks that `cpu_dropout_attention` draws after `torch.manual_seed(seed)`: one per band of
+    64 query rows over the keys that band sees, as one (B, H, T, T) mask."""
     torch.manual_seed(seed)
-    keep = torch.zeros(2, 3, 150, 150, dtype=torch.bool)
-    for start, stop in ((0, 64), (64, 128), (128, 150)):
-        keep[:, :, start:stop, :stop] = keep_mask((2, 3, stop - start, stop), 0.2, torch.device("cpu"))
+    keep = torch.zeros(batch, heads, length, length, dtype=torch.bool)
+    for start in range(0, length, 64):
+        stop = min(start + 64, length)
+        keep[:, :, start:stop, :stop] = keep_mask((batch, heads, stop - start, stop), p, torch.device("cpu"))
     return keep
 
 
@@ -680,31 +689,38 @@ def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded,
     torch.testing.assert_close(grad_t, grad_e, atol=1e-5, rtol=1e-5)
 
 
+def seeded_step(model: GPTForCausalLM, ids: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, dict]:
+    """The LM loss and every parameter's gradient of one forward and backward after `manual_seed(seed)`
+    (so dropout draws the same masks each time)."""
+    torch.manual_seed(seed)
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_checkpointing_keeps_the_gradients(model: GPTForCausalLM, ids: torch.Tensor) -> dict:
+    """The gradients of `seeded_step` with gradient checkpointing on equal those without; returns the
+    latter."""
+    _, plain = seeded_step(model, ids)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    _, checkpointed = seeded_step(model, ids)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    return plain
+
+
 def test_gradient_checkpointing_replays_the_same_dropout_masks():
     """Checkpointing recomputes each block's forward in backward: `keep_mask` draws from the default
     generator, whose state torch.utils.checkpoint restores, so the recomputed masks are the same."""
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY, resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)).train()
     ids = torch.randint(0, 96, (2, 24))
-
-    def grads() -> dict[str, torch.Tensor]:
-        torch.manual_seed(7)
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain = grads()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed = grads()
-    for name, grad in plain.items():
-        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5)
+    plain = assert_checkpointing_keeps_the_gradients(model, ids)
     # The masks do drop: another seed gives other gradients.
-    torch.manual_seed(8)
-    model.zero_grad()
-    model(ids, labels=ids).loss.backward()
-    assert not torch.allclose(
-        model.transformer.h[0].attn.c_attn.weight.grad, plain["transformer.h.0.attn.c_attn.weight"]
-    )
+    _, other = seeded_step(model, ids, seed=8)
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.allclose(other[key], plain[key])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -282,6 +282,7 @@ static void head_backward(const float *q, int64_t qst, const float *k, int64_t k
         memcpy(dv + j * dvst, dv_sum + j * D, sizeof(float) * D);
     }
 }
+
 /* Scratch floats per thread: head_forward's or head_backward's. */
 static int64_t scratch_floats(int64_t T, int backward)
 {
@@ -295,47 +296,66 @@ static int64_t scratch_floats(int64_t T, int backward)
 /* 1 where this build has the AVX-512 (F, BW, VL) kernel; 0 elsewhere (the caller then runs torch's sdpa). */
 int hfgpt_attention_vectorized(void) { return VECTORIZED; }
 
+/* The tensors of one call, each (B, H, T, D) with strides [batch, head, position] given in floats (the last
+ * dimension contiguous): q, k, v and out for a forward; q, k, v, dout, dq, dk and dv for a backward. */
+typedef struct {
+    const float *q, *k, *v, *dout;
+    float *out, *dq, *dk, *dv;
+    const int64_t *qs, *ks, *vs, *os, *dos, *dqs, *dks, *dvs;
+    int64_t H, T;
+    float scale;
+    const dropout_t *dp; /* NULL for inference */
+} call_t;
 
-/* q, k, v, out: (B, H, T, D) with strides [batch, head, position] given in floats (the last dimension
- * contiguous). keep and probs: NULL for inference, else dropout's band tensors (dropout_t). Returns 0; 1
- * where scratch memory could not be allocated; 2 in a build without the kernel; (training) 3 for a band
- * that is not a positive multiple of R. */
-static int forward(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H, int64_t T,
-                   const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os, float scale,
-                   const dropout_t *dp, int threads)
+/* Head h of batch entry b of a tensor. */
+#define HEAD(m, s, b, h) ((m) + (b) * (s)[0] + (h) * (s)[1])
+
+/* head_forward or head_backward for every (batch, head), one per task of the OpenMP threads, each thread
+ * with its own scratch. Returns 0; 1 where scratch memory could not be allocated; 2 in a build without
+ * the kernel. */
+static int run_heads(const call_t *c, int64_t B, int backward, int threads)
 {
 #if VECTORIZED
-    if (B <= 0 || H <= 0 || T <= 0) return 0;
+    if (B <= 0 || c->H <= 0 || c->T <= 0) return 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (size_t)scratch_floats(T, 0));
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)scratch_floats(c->T, backward));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < B * H; t++) {
+        for (int64_t t = 0; t < B * c->H; t++) {
             if (!scratch) continue;
-            const int64_t b = t / H, h = t % H;
-            head_forward(q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
-                         vs[2], out + b * os[0] + h * os[1], os[2], T, scale, dp, t, scratch);
+            const int64_t b = t / c->H, h = t % c->H;
+            const float *q = HEAD(c->q, c->qs, b, h), *k = HEAD(c->k, c->ks, b, h), *v = HEAD(c->v, c->vs, b, h);
+            if (backward)
+                head_backward(q, c->qs[2], k, c->ks[2], v, c->vs[2], HEAD(c->dout, c->dos, b, h), c->dos[2],
+                              HEAD(c->dq, c->dqs, b, h), c->dqs[2], HEAD(c->dk, c->dks, b, h), c->dks[2],
+                              HEAD(c->dv, c->dvs, b, h), c->dvs[2], c->T, c->scale, c->dp, t, scratch);
+            else
+                head_forward(q, c->qs[2], k, c->ks[2], v, c->vs[2], HEAD(c->out, c->os, b, h), c->os[2], c->T,
+                             c->scale, c->dp, t, scratch);
         }
         free(scratch);
     }
     return failed;
 #else
-    (void)q, (void)k, (void)v, (void)out, (void)B, (void)H, (void)T, (void)qs, (void)ks, (void)vs, (void)os;
-    (void)scale, (void)dp, (void)threads;
+    (void)c, (void)B, (void)backward, (void)threads;
     return 2;
 #endif
 }
 
+/* The entry points: tensors as in call_t; they return run_heads' status, or 3 (training) for a band that
+ * is not a positive multiple of R. */
 int hfgpt_causal_attention(const float *q, const float *k, const float *v, float *out, int64_t B, int64_t H,
                            int64_t T, const int64_t *qs, const int64_t *ks, const int64_t *vs, const int64_t *os,
                            float scale, int threads)
 {
-    return forward(q, k, v, out, B, H, T, qs, ks, vs, os, scale, NULL, threads);
+    const call_t c = {.q = q, .k = k, .v = v, .out = out, .qs = qs, .ks = ks, .vs = vs, .os = os, .H = H, .T = T,
+                      .scale = scale, .dp = NULL};
+    return run_heads(&c, B, 0, threads);
 }
 
 /* Training forward with dropout p (pscale = 1 / (1 - p)): also writes the probabilities into probs. */
@@ -346,44 +366,22 @@ int hfgpt_attention_train_forward(const float *q, const float *k, const float *v
 {
     if (band <= 0 || band % R) return 3;
     const dropout_t dp = {keep, probs, band, pscale};
-    return forward(q, k, v, out, B, H, T, qs, ks, vs, os, scale, &dp, threads);
+    const call_t c = {.q = q, .k = k, .v = v, .out = out, .qs = qs, .ks = ks, .vs = vs, .os = os, .H = H, .T = T,
+                      .scale = scale, .dp = &dp};
+    return run_heads(&c, B, 0, threads);
 }
 
-/* Its backward: dq, dk, dv (B, H, T, D) from dout (B, H, T, D strides as above). */
+/* Its backward: dq, dk, dv from dout. */
 int hfgpt_attention_train_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
                                    float *dk, float *dv, int64_t B, int64_t H, int64_t T, const int64_t *qs,
                                    const int64_t *ks, const int64_t *vs, const int64_t *dos, const int64_t *dqs,
                                    const int64_t *dks, const int64_t *dvs, float scale, const uint8_t *const *keep,
                                    float *const *probs, int64_t band, float pscale, int threads)
 {
-#if VECTORIZED
     if (band <= 0 || band % R) return 3;
-    if (B <= 0 || H <= 0 || T <= 0) return 0;
     const dropout_t dp = {keep, probs, band, pscale};
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *scratch = (float *)malloc(sizeof(float) * (size_t)scratch_floats(T, 1));
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < B * H; t++) {
-            if (!scratch) continue;
-            const int64_t b = t / H, h = t % H;
-            head_backward(q + b * qs[0] + h * qs[1], qs[2], k + b * ks[0] + h * ks[1], ks[2], v + b * vs[0] + h * vs[1],
-                          vs[2], dout + b * dos[0] + h * dos[1], dos[2], dq + b * dqs[0] + h * dqs[1], dqs[2],
-                          dk + b * dks[0] + h * dks[1], dks[2], dv + b * dvs[0] + h * dvs[1], dvs[2], T, scale, &dp, t,
-                          scratch);
-        }
-        free(scratch);
-    }
-    return failed;
-#else
-    (void)q, (void)k, (void)v, (void)dout, (void)dq, (void)dk, (void)dv, (void)B, (void)H, (void)T, (void)qs;
-    (void)ks, (void)vs, (void)dos, (void)dqs, (void)dks, (void)dvs, (void)scale, (void)keep, (void)probs;
-    (void)band, (void)pscale, (void)threads;
-    return 2;
-#endif
+    const call_t c = {.q = q, .k = k, .v = v, .dout = dout, .dq = dq, .dk = dk, .dv = dv, .qs = qs, .ks = ks,
+                      .vs = vs, .dos = dos, .dqs = dqs, .dks = dks, .dvs = dvs, .H = H, .T = T, .scale = scale,
+                      .dp = &dp};
+    return run_heads(&c, B, 1, threads);
 }
