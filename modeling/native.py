@@ -27,6 +27,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+_dispatch_stack_length = torch._C._len_torch_dispatch_stack
+
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LAYOUT_VERSION = 2  # hfgpt_int8_layout_version() of csrc/int8_linear.c
@@ -141,9 +146,7 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
 
 def load(path: Path, name: str) -> ctypes.CDLL:
     """Load a library built by `build(name)` and declare its functions; checks the int8 weight layout."""
-    import torch  # noqa: F401  (its OpenMP runtime must be loaded first, for the library to share it)
-
-    library = ctypes.CDLL(str(path))
+    library = ctypes.CDLL(str(path))  # (after torch: its OpenMP runtime is loaded, for the library to share)
     for function, (restype, argtypes) in SIGNATURES[name].items():
         getattr(library, function).restype = restype
         getattr(library, function).argtypes = argtypes
@@ -159,10 +162,7 @@ def dispatch_modes_allow() -> bool:
     active one declares `hfgpt_times_native_kernels = True` (benchmarks/step_breakdown.py's timer). A call
     through ctypes is invisible to such modes: `make_fx` would record a graph without it, FakeTensorMode
     and FlopCounterMode would miss its work, so callers run torch's ops under them."""
-    import torch
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    if torch._C._len_torch_dispatch_stack() == 0:  # (~0.1 us: the common case)
+    if _dispatch_stack_length() == 0:  # (~0.1 us: the common case, on every kernel call)
         return True
     return all(
         getattr(mode, "hfgpt_times_native_kernels", False) for mode in _get_current_dispatch_mode_stack()
