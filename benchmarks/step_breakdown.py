@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import resource
 import sys
 import time
@@ -93,8 +94,8 @@ class OpTimer(TorchDispatchMode):
 
 
 class _TimedLibrary:
-    """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C attention
-    kernel is called through ctypes, where no dispatch mode sees it."""
+    """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C kernels
+    (attention, dropout's keep masks) are called through ctypes, where no dispatch mode sees them."""
 
     def __init__(self, library: Any, timer: OpTimer) -> None:
         self._library, self._timer = library, timer
@@ -114,6 +115,15 @@ class _TimedLibrary:
         return timed
 
 
+# ops_hfgpt's functions that return a C kernel library (or None): wrapped so that the kernels' calls are timed
+NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel")
+
+
+def _timed_kernel(getter: Callable[[], Any], timer: OpTimer) -> Any:
+    library = getter()
+    return None if library is None else _TimedLibrary(library, timer)
+
+
 def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) -> dict[str, Any]:
     """Plain step times (median), then `measured` steps under `OpTimer`, per step (hfgpt's C kernels
     included, as ops of their own)."""
@@ -126,14 +136,16 @@ def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) 
         times.append(time.perf_counter() - t0)
         faults.append(_faults() - f0)
     timer = OpTimer()
-    kernel = ops_hfgpt._attention_kernel
-    ops_hfgpt._attention_kernel = lambda: None if kernel() is None else _TimedLibrary(kernel(), timer)
+    getters = {name: getattr(ops_hfgpt, name) for name in NATIVE_KERNEL_GETTERS}
+    for name, getter in getters.items():
+        setattr(ops_hfgpt, name, functools.partial(_timed_kernel, getter, timer))
     try:
         with timer:
             for _ in range(measured):
                 step()
     finally:
-        ops_hfgpt._attention_kernel = kernel
+        for name, getter in getters.items():
+            setattr(ops_hfgpt, name, getter)
     ops = [
         {
             "op": name,

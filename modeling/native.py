@@ -69,6 +69,10 @@ SIGNATURES = {
             [_P] * 7 + [_I64] * 3 + [_P] * 7 + [ctypes.c_float, _P, _P, _I64, ctypes.c_float, ctypes.c_int],
         ),
     },
+    "dropout": {
+        # keep, n, seed, threshold, threads
+        "hfgpt_keep_mask": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]),
+    },
 }
 
 

@@ -4,7 +4,7 @@ each function names the plain expression it stands for, and the tests hold the t
 - Linear products on oneDNN (`onednn_mm`, `_OneDNNConv1D`, `use_onednn_products`), an activation applied
   inside the product (`ONEDNN_ACTIVATIONS`), weight casts into reused memory (`workspace`), one-row
   products split between the threads (`one_row_conv1d`, `one_row_product`).
-- Dropout with byte masks drawn from 32-bit integers (`dropout`, `keep_mask`).
+- Dropout with byte masks from a counter-based generator, in C where it is built (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
   C kernel in both (`native_causal_attention`, `_native_dropout_attention`).
@@ -266,19 +266,62 @@ class _OneDNNConv1D(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _signed(word: int) -> int:
+    """A 64-bit word as torch's int64 holds it."""
+    return word - 2**64 if word >= 2**63 else word
+
+
+# SplitMix64 (csrc/dropout.c): the counter step and the two multipliers of its output function.
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 words (torch's `>>` on int64 keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _keep_mask_torch(n: int, seed: torch.Tensor, threshold: int) -> torch.Tensor:
+    """csrc/dropout.c's `hfgpt_keep_mask` in torch's integer ops, on any device (int64 products wrap
+    modulo 2^64 as the C's unsigned ones do): the same bits."""
+    z = torch.arange(1, (n + 1) // 2 + 1, dtype=torch.int64, device=seed.device).mul_(_GOLDEN).add_(seed)
+    z = (z ^ _shift_right(z, 30)).mul_(_MIX1)
+    z = (z ^ _shift_right(z, 27)).mul_(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    halves = torch.stack([z & 0xFFFFFFFF, _shift_right(z, 32)], -1).view(-1)[:n]  # low half first
+    return halves >= threshold
+
+
+def _dropout_kernel() -> Any:
+    """The C keep-mask generator (`native.kernel("dropout")`), or None: not built (no compiler,
+    `HFGPT_NATIVE=0`, a remote-code copy of this file)."""
+    return None if native is None else native.kernel("dropout")
+
+
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
-    """Bernoulli(1 - p) keep mask for dropout, drawn as 32-bit integers from the default generator.
+    """Bernoulli(1 - p) keep mask for dropout: a counter-based generator (SplitMix64, csrc/dropout.c)
+    seeded by one 64-bit draw from the device's default generator.
 
     On the CPU, `bernoulli_` costs ~4.4 ns an element (~7% of a GPT-2 training step went to dropout's
-    sampling and scaling); two 32-bit draws cut from each 64-bit `randint` word cost ~1.5 ns. An element
-    is dropped when its draw falls in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33.
-    Seeded by `torch.manual_seed` like any other draw (the stream differs from `F.dropout`'s).
+    sampling and scaling), 32-bit draws cut from `randint`'s 64-bit words ~2.2 ns (~100 ms of a GPT-2
+    step), hfgpt's C generator ~0.1 ns. Where it is not loaded (no compiler, a torch dispatch mode, another
+    device) torch's integer ops compute the same bits, ~2 ns an element. An element is dropped when its 32
+    bits fall in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33. Seeded by
+    `torch.manual_seed` like any other draw, and replayed by gradient checkpointing, which restores the
+    generator's state (the stream differs from `F.dropout`'s).
     """
     n = math.prod(shape)
-    words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64, device=device)
-    draws = words.view(torch.int32)[:n].view(shape)
-    # The highest threshold, 2^31 - 1, keeps 1 in 2^32: a larger Python int would wrap in the comparison.
-    return draws >= min(-(2**31) + round(p * 2**32), 2**31 - 1)
+    threshold = min(round(p * 2**32), 2**32 - 1)
+    seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
+    library = _dropout_kernel() if device.type == "cpu" else None
+    if library is None or not native.dispatch_modes_allow():
+        return _keep_mask_torch(n, seed, threshold).view(shape)
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    status = library.hfgpt_keep_mask(
+        keep.data_ptr(), n, seed.item() % 2**64, threshold, torch.get_num_threads()
+    )
+    if status != 0:
+        raise RuntimeError(f"keep-mask kernel: refused its arguments (status {status}, {n} elements)")
+    return keep
 
 
 class _MaskedScale(torch.autograd.Function):
