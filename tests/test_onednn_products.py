@@ -103,9 +103,10 @@ def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(on
     assert onednn_calls == block * 2 + [(20, 32)]
     onednn_calls.clear()
     model(ids, labels=ids).loss.backward()
-    # Forward as above; backward: two products for each of those (one vocabulary slice here).
+    # Forward as above; backward: each input gradient, and the weight gradients wider than tall
+    # (`weight_gradient`): c_attn's 32 x 96 and c_fc's 32 x 128, not the two c_proj's or the head's.
     assert onednn_calls[:9] == block * 2 + [(20, 32)]
-    assert len(onednn_calls) == 9 + 2 * 9
+    assert len(onednn_calls) == 9 + 9 + 2 * 2
     onednn_calls.clear()
     model.eval()
     prompts = torch.randint(0, 96, (4, 5))
@@ -114,6 +115,23 @@ def test_onednn_runs_every_float32_product_of_a_forward_backward_and_decoding(on
     # The prompt's 20 rows (its head: the last position of each row), then two decoding steps of 4 rows,
     # the head included (oneDNN from 4 rows on).
     assert [shape[0] for shape in onednn_calls] == [20] * 8 + [4] + [4] * 18
+
+
+@pytest.mark.parametrize(("width", "onednn"), [(24, True), (8, False), (16, False)])
+def test_weight_gradient_is_the_transposed_product_on_onednn_only_for_a_wide_result(
+    width, onednn, onednn_calls
+):
+    """`inputs.T @ grads`, [16, width], into `out` when given: oneDNN where the result is wider than
+    tall, MKL's sgemm otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    inputs, grads = torch.randn(40, 16, generator=generator), torch.randn(40, width, generator=generator)
+    expected = (inputs.double().T @ grads.double()).float()
+    torch.testing.assert_close(ops_hfgpt.weight_gradient(inputs, grads), expected)
+    out = torch.full((3, 16, width), float("nan"))
+    assert ops_hfgpt.weight_gradient(inputs, grads, out=out[1]).data_ptr() == out[1].data_ptr()
+    torch.testing.assert_close(out[1], expected)
+    assert out[0].isnan().all() and out[2].isnan().all()
+    assert len(onednn_calls) == (2 if onednn else 0)
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags' own warning
