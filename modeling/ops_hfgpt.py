@@ -242,7 +242,9 @@ def onednn_mm(
     return _ONEDNN_LINEAR(x, weight_t, bias, post_op[0], [], post_op[1])
 
 
-def weight_gradient(inputs: torch.Tensor, grads: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def weight_gradient(
+    inputs: torch.Tensor, grads: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`inputs.T @ grads` for 2-D float32 `inputs` [N, M] and `grads` [N, K], in `out` when given: a weight's
     gradient, summed over the N rows of a batch. oneDNN where the result is wider than tall (K > M), MKL's
     sgemm otherwise: oneDNN reads the transposed operands of a narrow result slowly. GPT-2's weight
