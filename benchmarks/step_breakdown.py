@@ -95,7 +95,7 @@ class OpTimer(TorchDispatchMode):
 
 class _TimedLibrary:
     """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C kernels
-    (attention, dropout's keep masks) are called through ctypes, where no dispatch mode sees them."""
+    (attention, GELU, dropout's keep masks) are called through ctypes, where no dispatch mode sees them."""
 
     def __init__(self, library: Any, timer: OpTimer) -> None:
         self._library, self._timer = library, timer
@@ -116,7 +116,7 @@ class _TimedLibrary:
 
 
 # ops_hfgpt's functions that return a C kernel library (or None): wrapped so that the kernels' calls are timed
-NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel")
+NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel", "_gelu_kernel")
 
 
 def _timed_kernel(getter: Callable[[], Any], timer: OpTimer) -> Any:

@@ -2,9 +2,9 @@
 ctypes: no build step at install time and no torch headers, so a build takes about a second.
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
-`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, the flags, the
-compiler's version and the CPU's flags, so a changed source or another machine sharing the folder builds
-its own copy. It is written under a temporary name and renamed into place, so that two processes
+`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source and csrc's headers,
+the flags, the compiler's version and the CPU's flags, so a changed source or another machine sharing
+the folder builds its own copy. It is written under a temporary name and renamed into place, so that two processes
 building at once (pytest-xdist) never load a half-written file.
 
 Its OpenMP calls use the runtime torch has already loaded where both are GNU's (`libgomp.so.1`, as
@@ -69,6 +69,13 @@ SIGNATURES = {
             [_P] * 7 + [_I64] * 3 + [_P] * 7 + [ctypes.c_float, _P, _P, _I64, ctypes.c_float, ctypes.c_int],
         ),
     },
+    "gelu": {
+        "hfgpt_gelu_vectorized": (ctypes.c_int, []),
+        # x, y, n, threads
+        "hfgpt_gelu_forward": (ctypes.c_int, [_P, _P, _I64, ctypes.c_int]),
+        # x, grad y, grad x, n, threads
+        "hfgpt_gelu_backward": (ctypes.c_int, [_P, _P, _P, _I64, ctypes.c_int]),
+    },
     "dropout": {
         # keep, n, seed, threshold, threads
         "hfgpt_keep_mask": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]),
@@ -117,6 +124,7 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
     key = hashlib.sha256()
     for part in (
         source.read_bytes(),
+        *(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))),
         " ".join(flags).encode(),
         "".join(version).encode(),
         _cpu_flags().encode(),

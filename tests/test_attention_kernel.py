@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_performance import (  # tests/ is on sys.path
+    OpRecorder,
     assert_checkpointing_keeps_the_gradients,
     band_keep_masks,
     masked_softmax_attention,
@@ -156,29 +157,19 @@ def test_dispatch_modes_see_torch_ops_instead_of_the_kernel():
     the attention (replayed on new inputs it gives their attention), and a mode that counts ops (as
     FlopCounterMode does) must see it."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     def attention(q, k, v):
         if native_attention_applies(q, k, v, None):
             return native_causal_attention(torch.nn.Module(), q, k, v, None, scaling=0.125)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125).transpose(1, 2)
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v = (t.contiguous() for t in _qkv(1, 2, 40))
     graph = make_fx(attention, tracing_mode="real")(q, k, v)
     new = [t.contiguous() for t in _qkv(1, 2, 40, seed=1)]
     torch.testing.assert_close(graph(*new), _sdpa(*new, 0.125), atol=1e-5, rtol=1e-5)
-    with Ops() as ops:
+    with OpRecorder() as recorder:
         attention(q, k, v)
-    assert any("scaled_dot_product" in name for name in ops.names)
+    assert any("scaled_dot_product" in str(op) for op in recorder.ops)
     assert native_attention_applies(q, k, v, None)  # and outside the modes, the kernel
 
 

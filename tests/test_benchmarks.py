@@ -299,7 +299,7 @@ def test_step_breakdown_times_both_steps_op_by_op_and_counts_their_products(tmp_
 
 def test_step_breakdown_times_hfgpts_c_kernels_as_ops_of_their_own():
     """hfgpt's C kernels run through ctypes, unseen by the dispatch mode: the breakdown times the attention
-    kernel's forward and backward and the keep-mask draws as ops (a GPT-2-shaped layer with heads of 64
+    kernel's and the GELU's forward and backward and the keep-mask draws as ops (a GPT-2-shaped layer with heads of 64
     at 128 positions: dropout draws once on the embeddings, and in the layer once per band of 64 query
     rows and twice on the residual branch)."""
     import step_breakdown
@@ -317,6 +317,8 @@ def test_step_breakdown_times_hfgpts_c_kernels_as_ops_of_their_own():
         "hfgpt C kernel hfgpt_attention_train_forward": 1,
         "hfgpt C kernel hfgpt_attention_train_backward": 1,
         "hfgpt C kernel hfgpt_keep_mask": 1 + 2 + 2,
+        "hfgpt C kernel hfgpt_gelu_forward": 1,
+        "hfgpt C kernel hfgpt_gelu_backward": 1,
     }
     assert all(op["seconds"] > 0 for op in result["ops"] if op["op"] in calls)
     for getter in step_breakdown.NATIVE_KERNEL_GETTERS:  # restored after the steps

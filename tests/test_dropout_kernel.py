@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_performance import OpRecorder  # tests/ is on sys.path
 
 from hfgpt.modeling import native, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import keep_mask
@@ -130,19 +130,10 @@ def test_keep_mask_runs_torchs_ops_under_a_dispatch_mode():
     """A torch dispatch mode (make_fx, FakeTensorMode) cannot see a ctypes call: keep_mask computes the
     same bits with torch's ops there, which the mode records."""
 
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(2)
     plain = keep_mask((70_000,), 0.1, CPU)
     torch.manual_seed(2)
-    with Recorder() as recorder:
+    with OpRecorder() as recorder:
         recorded = keep_mask((70_000,), 0.1, CPU)
     assert torch.equal(recorded, plain)
     assert torch.ops.aten.mul_.Tensor in recorder.ops  # SplitMix64's products, by torch

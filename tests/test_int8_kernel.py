@@ -235,6 +235,19 @@ def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
+@needs_cc
+def test_a_changed_header_builds_a_new_library(tmp_path, monkeypatch):
+    """csrc's headers (vector_math.h, which attention.c and gelu.c include) are part of a build's name."""
+    sources = tmp_path / "csrc"
+    shutil.copytree(native.SOURCE_DIR, sources)
+    monkeypatch.setattr(native, "SOURCE_DIR", sources)
+    first = native.build("gelu", directory=tmp_path / "cache")
+    with open(sources / "vector_math.h", "a") as header:
+        header.write("/* changed */\n")
+    second = native.build("gelu", directory=tmp_path / "cache")
+    assert second != first and first.exists() and second.exists()
+
+
 def test_without_a_compiler_the_reference_runs_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path / "cache"))

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
@@ -687,6 +688,19 @@ def test_training_forward_without_drops_equals_sdpa(layer_norm_position, padded,
     torch.testing.assert_close(logits_t[real], logits_e[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss_t, loss_e, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad_t, grad_e, atol=1e-5, rtol=1e-5)
+
+
+class OpRecorder(TorchDispatchMode):
+    """A torch dispatch mode that records each op it sees in `ops` (and runs it): what make_fx,
+    FakeTensorMode or FlopCounterMode would see of a computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 def seeded_step(model: GPTForCausalLM, ids: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, dict]:

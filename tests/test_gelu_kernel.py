@@ -1,0 +1,135 @@
+"""hfgpt's tanh GELU kernel (modeling/csrc/gelu.c, `gelu_tanh`'s `_NativeGelu`) against the float64 GELU
+and torch's own, where the model runs it, and where it steps aside."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from test_performance import OpRecorder, seeded_step
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
+from hfgpt.modeling.ops_hfgpt import gelu_tanh
+
+pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_cache():
+    native.kernel.cache_clear()
+    yield
+    native.kernel.cache_clear()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[str]:
+    """The names of the GELU kernel's entry points as they are called (and still run)."""
+    calls, library = [], ops_hfgpt._gelu_kernel()
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                return getattr(library, name)(*args)
+
+            return call
+
+    monkeypatch.setattr(ops_hfgpt, "_gelu_kernel", Spy)
+    return calls
+
+
+def inputs(n: int, seed: int = 0) -> torch.Tensor:
+    """Normal values x 3, then -20 to 20 evenly: past both tails of the tanh."""
+    normal = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+    return torch.cat([normal, torch.linspace(-20, 20, n)])
+
+
+def float64_gelu_and_slope(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.double().requires_grad_()
+    y = F.gelu(x, approximate="tanh")
+    (slope,) = torch.autograd.grad(y.sum(), x)
+    return y.detach(), slope
+
+
+def max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return (got.double() - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("n", [1, 15, 17, 40_000])  # a partial vector, and split between the threads
+def test_gelu_and_its_gradient_are_the_float64_gelus_to_float_rounding(n, kernel_calls):
+    x = inputs(n).requires_grad_()
+    y = gelu_tanh(x)
+    (slope,) = torch.autograd.grad(y.sum(), x)
+    assert kernel_calls == ["hfgpt_gelu_forward", "hfgpt_gelu_backward"]
+    expected, expected_slope = float64_gelu_and_slope(x)
+    theirs = F.gelu(x.detach(), approximate="tanh")
+    (their_slope,) = torch.autograd.grad(F.gelu(x, approximate="tanh").sum(), x)
+    # Within 1.5x of float32 torch's own largest error, or of one rounding of the largest value (20).
+    assert max_error(y, expected) <= max(1.5 * max_error(theirs, expected), 20 * 2**-24)
+    assert max_error(slope, expected_slope) <= max(1.5 * max_error(their_slope, expected_slope), 2**-23)
+
+
+def test_gelu_kernel_keeps_nans_and_the_tails_finite(kernel_calls):
+    x = torch.tensor([float("nan"), -1e30, -100.0, -9.5, 100.0, 1e30], requires_grad=True)
+    y = gelu_tanh(x)
+    (slope,) = torch.autograd.grad(y.sum(), x)
+    assert y[0].isnan() and slope[0].isnan()
+    torch.testing.assert_close(y[1:], torch.tensor([-0.0, -0.0, -0.0, 100.0, 1e30]), atol=1e-30, rtol=0)
+    torch.testing.assert_close(slope[1:], torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]), atol=1e-30, rtol=0)
+    assert gelu_tanh(torch.tensor([-float("inf")])).isnan().all()  # as torch's
+    assert kernel_calls == ["hfgpt_gelu_forward", "hfgpt_gelu_backward", "hfgpt_gelu_forward"]
+
+
+def test_gelu_kernel_has_torchs_second_derivatives(kernel_calls):
+    """A backward with create_graph=True (a gradient penalty) differentiates torch's `gelu_backward`."""
+    x = inputs(500).requires_grad_()
+    penalties = []
+    for gelu in (gelu_tanh, lambda t: F.gelu(t, approximate="tanh")):
+        (slope,) = torch.autograd.grad(gelu(x).pow(2).sum(), x, create_graph=True)
+        penalties.append(torch.autograd.grad(slope.square().sum(), x)[0])
+    torch.testing.assert_close(penalties[0], penalties[1], atol=1e-4, rtol=1e-5)
+    # The first backward through torch's ops; the second (no graph) on the kernel.
+    assert kernel_calls == ["hfgpt_gelu_forward", "hfgpt_gelu_backward"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.double(),
+        lambda x: x.bfloat16(),
+        lambda x: x.view(40, 50).t(),  # not contiguous
+    ],
+    ids=["float64", "bfloat16", "strided"],
+)
+def test_gelu_kernel_steps_aside_for_other_dtypes_and_strides(make, kernel_calls):
+    x = make(torch.randn(2000))
+    torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)
+    assert kernel_calls == []
+
+
+def test_gelu_kernel_steps_aside_under_a_dispatch_mode_and_hfgpt_native_0(monkeypatch):
+
+    x = torch.randn(3000)
+    with OpRecorder() as recorder:
+        gelu_tanh(x)
+    assert recorder.ops == [torch.ops.aten.gelu.default]
+    monkeypatch.setenv("HFGPT_NATIVE", "0")
+    native.kernel.cache_clear()
+    assert ops_hfgpt._gelu_kernel() is None
+    torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)
+
+
+def test_a_training_step_runs_the_gelu_kernel_with_torchs_gradients(kernel_calls, monkeypatch):
+    """Each MLP of a GPT-2-shaped model runs the kernel forward and backward; the gradients equal those
+    of the same step on torch's GELU (the same dropout masks) to float rounding."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    model = GPTForCausalLM(config).train()
+    ids = torch.randint(0, 96, (2, 40))
+    loss, grads = seeded_step(model, ids, seed=3)
+    assert sorted(kernel_calls) == ["hfgpt_gelu_backward"] * 2 + ["hfgpt_gelu_forward"] * 2
+    monkeypatch.setattr(ops_hfgpt, "_native_gelu_applies", lambda x: False)
+    torch_loss, torch_grads = seeded_step(model, ids, seed=3)
+    assert len(kernel_calls) == 4
+    torch.testing.assert_close(loss, torch_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, torch_grads[name], atol=1e-5, rtol=1e-4, msg=name)
