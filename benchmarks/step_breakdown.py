@@ -9,10 +9,10 @@ The step is `bench_model.py`'s (forward with labels, backward, fused AdamW, drop
 contender runs a few plain steps first (timed without instrumentation), then steps under a
 `TorchDispatchMode` that times every op torch dispatches and counts the minor page faults (first touches
 of fresh memory) during it. An op's time includes what it runs inside C++ (oneDNN's linear op copies a
-transposed input itself: that copy is part of the product here); hfgpt's C attention kernel, called
-through ctypes, is timed as an op of its own ("hfgpt C kernel ..."). Matrix products (oneDNN's linear op,
-`mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with their FLOPs from the shapes, so their own rate
-can be set beside the rest of the step. The mode costs a few microseconds an op, so its step total runs a
+transposed input itself: that copy is part of the product here); hfgpt's C kernels (attention, the
+GELU, dropout's keep masks), called through ctypes, are timed as ops of their own ("hfgpt C kernel
+..."). Matrix products (oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with
+their FLOPs from the shapes, so their own rate can be set beside the rest of the step. The mode costs a few microseconds an op, so its step total runs a
 little above the plain step time; compare the two contenders, and the shares, not absolute times with
 other runs (this machine's speed drifts by +-20%).
 """
