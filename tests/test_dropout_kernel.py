@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 import torch
-from test_performance import OpRecorder  # tests/ is on sys.path
+from test_int8_kernel import portable_library  # tests/ is on sys.path
+from test_performance import OpRecorder
 
 from hfgpt.modeling import native, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import keep_mask
@@ -155,3 +156,16 @@ def test_hfgpt_native_0_gives_the_same_masks(monkeypatch):
     assert ops_hfgpt._dropout_kernel() is None
     torch.manual_seed(6)
     assert torch.equal(keep_mask((5, 3000), 0.25, CPU), default)
+
+
+@needs_compiler
+def test_a_build_without_march_native_gives_the_same_bits(tmp_path):
+    """On a CPU without AVX-512 the loop is compiled for plain x86-64 (or another architecture): the same
+    words, on one thread and split between two."""
+    library = portable_library(tmp_path, "dropout")
+    seed, threshold = 2**64 - 12345, round(0.3 * 2**32)
+    expected = ops_hfgpt._keep_mask_torch(70_001, torch.tensor(ops_hfgpt._signed(seed)), threshold)
+    for threads in (1, 2):
+        keep = torch.empty(70_001, dtype=torch.bool)
+        assert library.hfgpt_keep_mask(keep.data_ptr(), 70_001, seed, threshold, threads) == 0
+        assert torch.equal(keep, expected)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
@@ -133,3 +134,16 @@ def test_a_training_step_runs_the_gelu_kernel_with_torchs_gradients(kernel_calls
     torch.testing.assert_close(loss, torch_loss, atol=1e-6, rtol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, torch_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_build_without_avx512_leaves_the_gelu_to_torch(tmp_path, monkeypatch):
+    """csrc/gelu.c compiled without AVX-512 says so, and refuses its entry points; `gelu_tanh` then runs
+    torch's GELU."""
+    library = portable_library(tmp_path, "gelu")
+    assert library.hfgpt_gelu_vectorized() == 0
+    x = torch.randn(100)
+    assert library.hfgpt_gelu_forward(x.data_ptr(), torch.empty(100).data_ptr(), 100, 1) == 3
+    with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
+        patch.setattr(native, "kernel", lambda name: library)
+        assert ops_hfgpt._gelu_kernel() is None
+        torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)

@@ -39,10 +39,10 @@ def _fresh_kernel_cache():
     native.kernel.cache_clear()
 
 
-def _portable_library(directory: Path):
-    """The kernel built without -march=native: the C file's portable path (no AVX-512 VNNI)."""
+def portable_library(directory: Path, name: str = "int8_linear"):
+    """csrc/{name}.c built without -march=native: its portable path (no AVX-512, no VNNI)."""
     flags = tuple(f for f in native.FLAGS if f != "-march=native")
-    return native.load(native.build("int8_linear", flags, directory), "int8_linear")
+    return native.load(native.build(name, flags, directory), name)
 
 
 def _layer(out: int, inp: int, bias: bool = True, seed: int = 0) -> Int8Linear:
@@ -83,7 +83,7 @@ def _c_quantize(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def test_activation_quantisation_is_bit_exact(portable, tmp_path):
     """The C kernel's int8 activations and scales equal `quantize_activations` exactly, ties to even
     included (x / s = k + 0.5), in whole blocks (vectorised) and in a partial last block."""
-    library = _portable_library(tmp_path) if portable else native.kernel("int8_linear")
+    library = portable_library(tmp_path) if portable else native.kernel("int8_linear")
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(8, 200, generator=generator) * torch.logspace(-3, 3, 8)[:, None]
     x[0, :64] = torch.arange(64) - 31.5  # a ramp
@@ -155,7 +155,7 @@ def test_kernel_result_does_not_depend_on_the_thread_count():
 @needs_cc
 def test_portable_build_matches_too(tmp_path):
     """The C file's portable path (no AVX-512 VNNI), built here without -march=native."""
-    library = _portable_library(tmp_path)
+    library = portable_library(tmp_path)
     assert library.hfgpt_int8_vectorized() == 0
     layer = _layer(70, 130)
     x = torch.randn(5, 130)
