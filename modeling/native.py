@@ -2,10 +2,11 @@
 ctypes: no build step at install time and no torch headers, so a build takes about a second.
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
-`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source and csrc's headers,
-the flags, the compiler's version and the CPU's flags, so a changed source or another machine sharing
-the folder builds its own copy. It is written under a temporary name and renamed into place, so that two processes
-building at once (pytest-xdist) never load a half-written file.
+`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, all of csrc's headers
+(a changed header rebuilds every kernel), the flags, the compiler's version and the CPU's flags, so a
+changed source or another machine sharing the folder builds its own copy. It is written under a
+temporary name and renamed into place, so that two processes building at once (pytest-xdist) never load
+a half-written file.
 
 Its OpenMP calls use the runtime torch has already loaded where both are GNU's (`libgomp.so.1`, as
 torch's Linux wheels and gcc have): one pool of threads. A compiler with another OpenMP runtime (clang's
@@ -31,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _dispatch_stack_length = torch._C._len_torch_dispatch_stack
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PYTHON_DISPATCH = torch._C.DispatchKey.Python
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -181,6 +184,16 @@ def dispatch_modes_allow() -> bool:
     )
 
 
+def plain_tensors(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may read these tensors' memory as their values: tensors, parameters, or subclasses
+    that only override `__torch_function__`. A subclass that dispatches through Python (`__torch_dispatch__`:
+    DTensor, FakeTensor, TwoTensor) keeps its values elsewhere or has none (its `data_ptr()` may be 0, and
+    a kernel reading there would crash the process), so callers run torch's ops on it."""
+    return all(
+        type(t) in _PLAIN_TYPES or not torch._C._dispatch_keys(t).has(_PYTHON_DISPATCH) for t in tensors
+    )
+
+
 @functools.cache
 def kernel(name: str) -> ctypes.CDLL | None:
     """The library `csrc/{name}.c`, built if needed; None (with one warning) where it cannot be built or
@@ -199,4 +212,12 @@ def kernel(name: str) -> ctypes.CDLL | None:
         return None
 
 
-__all__ = ["NativeBuildError", "build", "cache_dir", "dispatch_modes_allow", "kernel", "load"]
+__all__ = [
+    "NativeBuildError",
+    "build",
+    "cache_dir",
+    "dispatch_modes_allow",
+    "kernel",
+    "load",
+    "plain_tensors",
+]

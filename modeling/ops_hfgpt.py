@@ -69,6 +69,7 @@ def _native_gelu_applies(x: torch.Tensor) -> bool:
         and eager_on_cpu(x)
         and _gelu_kernel() is not None
         and native.dispatch_modes_allow()
+        and native.plain_tensors(x)
     )
 
 
@@ -78,8 +79,8 @@ class _NativeGelu(torch.autograd.Function):
     (4, 256, 3072) activations here: forward 0.65-0.69 against 2.65 ms, backward 0.9-0.96 against 2.95 ms.
     On normal x 3 and -20..20 inputs, values within 5.2e-7 of the float64 GELU where torch's are within
     4.3e-7, gradients within 2.1e-7 where torch's are within 1.0e-6 (tests/test_gelu_kernel.py); NaN and
-    -inf give NaN as in torch. A backward that builds a graph (`create_graph=True`) runs torch's
-    differentiable `gelu_backward`."""
+    -inf give NaN as in torch. A backward that builds a graph (`create_graph=True`) or runs under a
+    dispatch mode runs torch's `gelu_backward`."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,12 @@ class _NativeGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        if torch.is_grad_enabled() or grad.dtype != torch.float32:  # create_graph=True: differentiable ops
+        if (
+            torch.is_grad_enabled()  # create_graph=True: differentiable ops
+            or grad.dtype != torch.float32
+            or not native.dispatch_modes_allow()  # (a mode entered after the forward sees torch's op)
+            or not native.plain_tensors(grad)
+        ):
             return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
         grad = grad.contiguous()
         out = torch.empty_like(x)
@@ -556,7 +562,7 @@ class _BandedDropoutAttention(torch.autograd.Function):
             return _differentiable_band_grads(
                 query, key, value, ctx.mask, ctx.scaling, ctx.p, keeps, grad_out
             )
-        if ctx.native:
+        if ctx.native and native.dispatch_modes_allow() and native.plain_tensors(grad_out):
             return (
                 *_native_dropout_attention_backward(query, key, value, saved, grad_out, ctx),
                 None,
@@ -766,6 +772,7 @@ def native_attention_takes(
         and values_readable(*tensors)
         and _attention_kernel() is not None
         and native.dispatch_modes_allow()
+        and native.plain_tensors(*tensors)
     )
 
 

@@ -184,7 +184,8 @@ class Int8Linear(nn.Module):
         buffers = self._buffers  # (the module's __getattr__ costs ~0.7 us a buffer)
         packed = buffers["packed"]
         library = native.kernel("int8_linear") if x.is_cpu and packed.is_cpu else None
-        if library is None or not native.dispatch_modes_allow():  # (elsewhere than the CPU: torch's errors)
+        # (elsewhere than the CPU, torch's errors; a tensor subclass, torch's ops on it)
+        if library is None or not native.dispatch_modes_allow() or not native.plain_tensors(x):
             with torch.no_grad():
                 return self.reference(x)
         if x.dtype != torch.float32 or not x.is_contiguous():

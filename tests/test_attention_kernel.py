@@ -1,6 +1,7 @@
 """hfgpt's causal attention kernel for CPU prefill (modeling/csrc/attention.c, `native_causal_attention`)
 against torch's sdpa, where the model runs it, and where it steps aside."""
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from test_performance import (  # tests/ is on sys.path
     masked_softmax_attention,
     seeded_step,
 )
+from torch.testing._internal.two_tensor import TwoTensor
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, native, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import native_attention_applies, native_causal_attention
@@ -144,6 +146,9 @@ def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
     assert not native_attention_applies(*(t.transpose(2, 3) for t in (q, k, v)), None)  # strided rows
     assert not native_attention_applies(q.clone().requires_grad_(), k, v, None)  # autograd: sdpa's backward
     assert not native_attention_applies(*(t.to("meta") for t in (q, k, v)), None)  # no values to read
+    # A __torch_dispatch__ subclass, whose data_ptr() is 0
+    two = [TwoTensor(t, t * 2) for t in (t.contiguous() for t in (q, k, v))]
+    assert not native_attention_applies(*two, None)
     # Shapes sdpa broadcasts or accepts, which the kernel does not read: fewer key and value heads, values
     # of another width, a 3-D input.
     assert not native_attention_applies(q, k[:, :1], v[:, :1], None)
@@ -321,6 +326,24 @@ def test_training_step_with_the_kernel_equals_the_step_without_it(
     torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@needs_kernel
+def test_a_dispatch_mode_entered_after_the_kernels_forward_sees_torchs_backward(kernel_calls):
+    """Only the forward ran on the kernel: a mode around the backward (FlopCounterMode's place) sees
+    torch's products, which compute the kernel's gradients from its saved probabilities and masks."""
+    qkv = torch.randn(1, 150, 3, 2, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    upstream = torch.randn(1, 150, 2, 64)
+    grads = []
+    for mode in (contextlib.nullcontext, OpRecorder):
+        torch.manual_seed(4)
+        out, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.125, dropout=0.1)
+        with mode() as recorder:
+            grads.append(torch.autograd.grad(out, qkv, upstream)[0])
+    assert kernel_calls == ["forward", "backward", "forward"]
+    assert torch.ops.aten.bmm.default in recorder.ops
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel

@@ -119,6 +119,30 @@ def test_gelu_kernel_steps_aside_under_a_dispatch_mode_and_hfgpt_native_0(monkey
     torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)
 
 
+def test_gelu_kernel_steps_aside_for_tensor_subclasses_that_dispatch_in_python(kernel_calls):
+    """A `__torch_dispatch__` subclass (TwoTensor here; DTensor and FakeTensor alike) holds no values at
+    its own data pointer, which the kernel would read: torch's GELU runs on each of its tensors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(3000), torch.randn(3000)
+    y = gelu_tanh(TwoTensor(a, b))
+    assert isinstance(y, TwoTensor) and kernel_calls == []
+    torch.testing.assert_close(y.a, F.gelu(a, approximate="tanh"), atol=0, rtol=0)
+    torch.testing.assert_close(y.b, F.gelu(b, approximate="tanh"), atol=0, rtol=0)
+
+
+def test_a_dispatch_mode_entered_after_the_forward_sees_torchs_gelu_backward(kernel_calls):
+    x = torch.randn(3000, requires_grad=True)
+    y = gelu_tanh(x)
+    upstream = torch.randn(3000)
+    with OpRecorder() as recorder:
+        (grad,) = torch.autograd.grad(y, x, upstream)
+    assert torch.ops.aten.gelu_backward.default in recorder.ops
+    assert kernel_calls == ["hfgpt_gelu_forward"]
+    want = torch.ops.aten.gelu_backward(upstream, x.detach(), approximate="tanh")
+    torch.testing.assert_close(grad, want, atol=0, rtol=0)
+
+
 def test_a_training_step_runs_the_gelu_kernel_with_torchs_gradients(kernel_calls, monkeypatch):
     """Each MLP of a GPT-2-shaped model runs the kernel forward and backward; the gradients equal those
     of the same step on torch's GELU (the same dropout masks) to float rounding."""

@@ -289,3 +289,13 @@ def test_dispatch_modes_see_the_torch_reference_instead_of_the_kernel():
     graph = make_fx(layer, tracing_mode="real")(torch.randn(3, 45))
     x = torch.randn(3, 45)
     _close(graph(x), layer.reference(x))
+
+
+def test_a_tensor_subclass_that_dispatches_in_python_runs_the_torch_reference():
+    """A `__torch_dispatch__` subclass (TwoTensor; DTensor alike) holds no values at its own data pointer,
+    which the kernel would read: the layer runs its torch reference on it instead."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    layer = _layer(37, 45)
+    x = TwoTensor(torch.randn(3, 45), torch.randn(3, 45))
+    torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
