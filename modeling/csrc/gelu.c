@@ -9,7 +9,9 @@
  * where torch's kernel evaluates a tanh: GPT-2's (4, 256, 3072) activations took ~2.7 ms forward and
  * ~3.0 ms backward there, this ~0.65 and ~0.9. Both are computed from x clamped to [-10, 10], and are 0
  * below -10 (the GELU's magnitude there is below 1e-37; torch's float32 gives 0 below about -4): no
- * overflow for any finite x. A NaN stays NaN, -inf gives NaN (as in torch), +inf gives +inf.
+ * overflow for any finite x. A NaN stays NaN, -inf gives NaN and +inf gives +inf (as in torch); the
+ * gradient at a NaN or an infinite x is NaN (as in torch), and at any finite x the slope of the GELU,
+ * 1 or 0 beyond the clamp, where torch's float32 formula overflows to NaN for |x| above about 1.8e19.
  */
 #include <stdint.h>
 
@@ -62,9 +64,11 @@ int hfgpt_gelu_backward(const float *x, const float *grad_y, float *grad_x, int6
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= PARALLEL_FROM)
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = first(n - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
         __m512 s, es, dv;
-        sigmoid_parts(_mm512_maskz_loadu_ps(m, x + i), &s, &es, &dv);
-        const __m512 slope = _mm512_fmadd_ps(dv, _mm512_mul_ps(es, s), s); /* s + 2u' x (1 - s) s */
+        sigmoid_parts(v, &s, &es, &dv);
+        /* s + 2u' x (1 - s) s, plus x - x: 0 for a finite x, NaN for an infinite one (the clamp lost it) */
+        const __m512 slope = _mm512_add_ps(_mm512_fmadd_ps(dv, _mm512_mul_ps(es, s), s), _mm512_sub_ps(v, v));
         _mm512_mask_storeu_ps(grad_x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, grad_y + i), slope));
     }
     return 0;
