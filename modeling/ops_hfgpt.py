@@ -314,8 +314,8 @@ def weight_gradient(
     gradients at N = 1024 rows here (GFLOP/s, medians of 30 alternated, oneDNN against MKL): 768 x 3072
     200 against 195 and 768 x 2304 207 against 199, but 3072 x 768 188 against 198, 768 x 768 190
     against 204, a 4096 x 768 block of the tied head 179 against 199 (and MKL writes into `out`, where
-    oneDNN's result was copied there)."""
-    if grads.shape[1] > inputs.shape[1]:
+    oneDNN's result was copied there). No rows (N = 0): zeros, from MKL (oneDNN refuses an empty product)."""
+    if grads.shape[1] > inputs.shape[1] and inputs.shape[0] > 0:
         result = onednn_mm(inputs.T, grads.T)
         return result if out is None else out.copy_(result)
     return torch.mm(inputs.T, grads, out=out)

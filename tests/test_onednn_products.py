@@ -131,6 +131,8 @@ def test_weight_gradient_is_the_transposed_product_on_onednn_only_for_a_wide_res
     assert ops_hfgpt.weight_gradient(inputs, grads, out=out[1]).data_ptr() == out[1].data_ptr()
     torch.testing.assert_close(out[1], expected)
     assert out[0].isnan().all() and out[2].isnan().all()
+    # No rows: the zero sum, not oneDNN's refusal of an empty product
+    assert torch.equal(ops_hfgpt.weight_gradient(inputs[:0], grads[:0]), torch.zeros(16, width))
     assert len(onednn_calls) == (2 if onednn else 0)
 
 
