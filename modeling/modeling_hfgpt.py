@@ -63,6 +63,8 @@ from .ops_hfgpt import (
     lm_logits_and_loss,
     native_attention_applies,
     native_causal_attention,
+    native_decode_attention,
+    native_decode_attention_applies,
     needs_grad,
     one_row_conv1d,
     onednn_mm,
@@ -198,6 +200,8 @@ class GPTAttention(nn.Module):
                 attention_interface = cpu_dropout_attention
             elif native_attention_applies(query, key, value, attention_mask):
                 attention_interface = native_causal_attention
+            elif native_decode_attention_applies(query, key, value, attention_mask):
+                attention_interface = native_decode_attention
             elif banded_attention_applies(query, key, attention_mask):
                 attention_interface = cpu_banded_attention
         input_dtype = query.dtype

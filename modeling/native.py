@@ -71,6 +71,11 @@ SIGNATURES = {
             ctypes.c_int,
             [_P] * 7 + [_I64] * 3 + [_P] * 7 + [ctypes.c_float, _P, _P, _I64, ctypes.c_float, ctypes.c_int],
         ),
+        # q, k, v, out, mask, mask stride, B, H, T, q strides, k strides, v strides, out strides, scale, threads
+        "hfgpt_attention_decode": (
+            ctypes.c_int,
+            [_P] * 5 + [_I64] * 4 + [_P] * 4 + [ctypes.c_float, ctypes.c_int],
+        ),
     },
     "gelu": {
         "hfgpt_gelu_vectorized": (ctypes.c_int, []),

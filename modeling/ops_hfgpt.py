@@ -7,7 +7,8 @@ each function names the plain expression it stands for, and the tests hold the t
 - Dropout with byte masks from a counter-based generator, in C where it is built (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
-  C kernel in both (`native_causal_attention`, `_native_dropout_attention`).
+  C kernel in both (`native_causal_attention`, `_native_dropout_attention`); a decoding step's query
+  against the cache, with or without a key mask, on the same kernel (`native_decode_attention`).
 - Appends to transformers' `DynamicCache` without copying it (`append_to_cache`).
 - The LM head and its loss without a full vocabulary-wide gradient (`project_to_vocab`,
   `lm_logits_and_loss`, `_LinearCrossEntropy`), and its gradient shared with the tied embeddings
@@ -37,6 +38,7 @@ from torch.nn.modules.module import (
     _global_forward_pre_hooks,
 )
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 try:  # hfgpt's C kernels; a checkpoint's copy of this file (trust_remote_code) runs torch's ops instead
@@ -823,6 +825,81 @@ def native_causal_attention(
     )  # fmt: skip
     if status != 0:
         _kernel_failed(status, length)
+    return output, None
+
+
+def native_decode_attention_applies(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
+) -> bool:
+    """Whether `native_decode_attention` stands in for sdpa: one query position (a decoding step) of float32
+    CPU heads of 64 against cached keys and values of the same batch and heads, rows contiguous, no
+    autograd, and no mask or a boolean key mask of shape (B or 1, 1, 1, T) as transformers makes for
+    padded prompts; run eagerly on plain tensors, with the kernel available."""
+    batch, heads, new, dim = query.shape if query.dim() == 4 else (0, 0, 0, 0)
+    tensors = (query, key, value)
+    return (
+        new == 1
+        and dim == NATIVE_HEAD_SIZE
+        and key.dim() == 4
+        and key.shape[:2] == (batch, heads)
+        and key.shape[-1] == dim
+        and value.shape == key.shape
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+        and not any(t.requires_grad for t in tensors)
+        and (attention_mask is None or _decode_key_mask(attention_mask, batch, key.shape[-2]))
+        and values_readable(*tensors)
+        and _attention_kernel() is not None
+        and native.dispatch_modes_allow()
+        and native.plain_tensors(*tensors, *(() if attention_mask is None else (attention_mask,)))
+    )
+
+
+def _decode_key_mask(mask: Any, batch: int, keys: int) -> bool:
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[0] in (1, batch)
+        and mask.shape[1:] == (1, 1, keys)
+        and mask.device.type == "cpu"
+        and (keys == 1 or mask.stride(-1) == 1)
+    )
+
+
+def native_decode_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa for one decoding step (`native_decode_attention_applies`) by hfgpt's C kernel
+    (`hfgpt_attention_decode` in csrc/attention.c), into a (B, 1, H, D) output: per head, the query's 64-wide
+    dot products with the cached keys, an exact softmax over the keys the mask keeps, and the weighted
+    values; a row that attends to no key gets zeros, as sdpa's. torch's sdpa spends most of such a step
+    outside the arithmetic, and each layer's cached keys and values come from memory after the step's
+    weights have gone through the caches (GPT-2 124M, 64+128 tokens, in `generate()`: ~84 us a layer at
+    B=1 and ~520 us at B=8 here)."""
+    if dropout > 0.0:  # (training: not a decoding step's attention)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, _, dim = query.shape
+    output = query.new_empty(batch, 1, heads, dim)
+    mask, mask_stride = None, 0
+    if attention_mask is not None:
+        mask = attention_mask.data_ptr()
+        mask_stride = attention_mask.stride(0) if attention_mask.shape[0] > 1 else 0
+    status = _attention_kernel().hfgpt_attention_decode(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), mask, mask_stride, batch, heads,
+        key.shape[-2], _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)),
+        scaling, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        _kernel_failed(status, key.shape[-2])
     return output, None
 
 

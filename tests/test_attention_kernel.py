@@ -19,7 +19,11 @@ from test_performance import (  # tests/ is on sys.path
 from torch.testing._internal.two_tensor import TwoTensor
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, native, ops_hfgpt
-from hfgpt.modeling.ops_hfgpt import native_attention_applies, native_causal_attention
+from hfgpt.modeling.ops_hfgpt import (
+    native_attention_applies,
+    native_causal_attention,
+    native_decode_attention,
+)
 
 
 def _cpu_has_avx512() -> bool:
@@ -226,19 +230,152 @@ def test_model_prefill_runs_the_kernel_and_equals_its_autograd_forward(layer_nor
     assert len(prefill_calls) == 2
 
 
+@pytest.fixture
+def decode_calls(monkeypatch) -> list[tuple]:
+    """Records (query shape, key shape, mask shape or None) of each decoding step's attention on the kernel."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        mask = args[4]
+        calls.append(
+            (tuple(args[1].shape), tuple(args[2].shape), None if mask is None else tuple(mask.shape))
+        )
+        return native_decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_hfgpt, "native_decode_attention", spy)
+    return calls
+
+
 @needs_kernel
-def test_generate_with_the_kernel_gives_the_tokens_of_sdpa(prefill_calls, monkeypatch):
-    """Greedy decoding of a GPT-2-shaped model: the prompt's prefill on the kernel, then the cached steps;
-    the same tokens as with the kernel off."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_with_the_kernels_gives_the_tokens_of_sdpa(batch, prefill_calls, decode_calls, monkeypatch):
+    """Greedy decoding of a GPT-2-shaped model: the prompt's prefill on the causal kernel (without padding),
+    then each cached step on the decoding kernel, left-padded rows through its key mask; the same tokens
+    as with both kernels off (sdpa)."""
     torch.manual_seed(0)
     model = GPTForCausalLM(_config()).eval()
-    ids = torch.randint(0, 96, (1, 40))
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=95)
+    ids = torch.randint(0, 96, (batch, 40))
+    mask = torch.ones_like(ids)
+    mask[1:, :7] = 0  # rows after the first left-padded
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=95)
     with_kernel = model.generate(ids, **kwargs)
-    assert prefill_calls == [(1, 2, 40, 64)] * 2  # the prefill, in both layers
+    assert prefill_calls == ([(1, 2, 40, 64)] * 2 if batch == 1 else [])  # the prefill, in both layers
+    key_mask = None if batch == 1 else (batch, 1, 1)
+    assert decode_calls == [
+        ((batch, 2, 1, 64), (batch, 2, 40 + step, 64), key_mask and (*key_mask, 40 + step))
+        for step in range(1, 12)
+        for _ in range(2)
+    ]
     monkeypatch.setattr(modeling_hfgpt, "native_attention_applies", lambda *a: False)
+    monkeypatch.setattr(modeling_hfgpt, "native_decode_attention_applies", lambda *a: False)
     assert torch.equal(with_kernel, model.generate(ids, **kwargs))
-    assert len(prefill_calls) == 2
+    assert len(prefill_calls) == (2 if batch == 1 else 0) and len(decode_calls) == 22
+
+
+def _cached_step(batch: int, heads: int, keys: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """One decoding step's query (a view of its projection) and cached keys and values (the first `keys`
+    positions of buffers with spare ones, as `append_to_cache` keeps them)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, 1, 3, heads, 64, generator=generator).permute(2, 0, 3, 1, 4)[0]
+    key, value = (
+        torch.randn(batch, heads, keys + 24, 64, generator=generator)[:, :, :keys] for _ in range(2)
+    )
+    return query, key, value
+
+
+def _sdpa64(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """sdpa in float64, as (B, 1, H, D)."""
+    out = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch,heads,keys", [(1, 12, 1), (1, 12, 77), (4, 3, 130), (2, 2, 1100)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decoding_kernel_is_sdpa_to_float_rounding(batch, heads, keys, masked):
+    """Against sdpa in float64: within 2.5 times float32 sdpa's own largest error plus 2e-7, with a key mask
+    per batch entry (transformers' (B, 1, 1, T) for padded prompts) or none."""
+    query, key, value = _cached_step(batch, heads, keys)
+    mask = None
+    if masked:
+        mask = torch.rand(batch, 1, 1, keys, generator=torch.Generator().manual_seed(1)) > 0.4
+        mask[..., -1] = True  # (the step's own position)
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, mask)
+    got, _ = native_decode_attention(torch.nn.Module(), query, key, value, mask, scaling=0.125)
+    want = _sdpa64(query, key, value, mask, 0.125)
+    theirs = F.scaled_dot_product_attention(query, key, value, mask, scale=0.125).transpose(1, 2)
+    assert got.shape == (batch, 1, heads, 64)
+    assert (got - want).abs().max() <= 2.5 * (theirs - want).abs().max() + 2e-7
+
+
+@needs_kernel
+def test_decoding_kernel_reads_masks_of_any_batch_stride_and_gives_sdpas_zeros_for_a_row_that_sees_nothing():
+    query, key, value = _cached_step(3, 2, 20)
+    shared = torch.rand(1, 1, 1, 20, generator=torch.Generator().manual_seed(2)) > 0.5
+    shared[..., 0] = True
+    last_rows = torch.rand(3, 1, 20, 20, generator=torch.Generator().manual_seed(3)) > 0.5
+    last_rows[..., 0] = True
+    for mask in (shared, last_rows[:, :, -1:]):  # one row for all (stride 0); rows 400 apart
+        got, _ = native_decode_attention(torch.nn.Module(), query, key, value, mask, scaling=0.125)
+        torch.testing.assert_close(got, _sdpa64(query, key, value, mask, 0.125).float(), atol=1e-6, rtol=1e-6)
+    nothing = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    nothing[1] = False
+    got, _ = native_decode_attention(torch.nn.Module(), query, key, value, nothing, scaling=0.125)
+    theirs = F.scaled_dot_product_attention(query, key, value, nothing, scale=0.125).transpose(1, 2)
+    assert torch.equal(got[1], theirs[1]) and not got[1].any()
+    torch.testing.assert_close(got, theirs, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+def test_decoding_kernel_result_does_not_depend_on_the_thread_count():
+    query, key, value = _cached_step(2, 12, 90)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(
+                native_decode_attention(torch.nn.Module(), query, key, value, None, scaling=0.125)[0]
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+def test_decoding_kernel_applies_only_to_one_float32_query_against_cached_heads_of_64():
+    query, key, value = _cached_step(2, 2, 30)
+    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    takes = ops_hfgpt._attention_kernel() is not None  # (a CPU without AVX-512: never)
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, None) == takes
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, mask) == takes
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, mask[:1]) == takes  # broadcast
+    last_row = torch.ones(2, 1, 30, 30, dtype=torch.bool)[:, :, -1:]  # a view with other strides
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, last_row) == takes
+    q2, k2, v2 = _qkv(2, 2, 30)
+    refused = [
+        (q2, k2, v2, None),  # a prompt's queries: the causal kernel's or sdpa's
+        (query, key, value, mask.float()),  # an additive mask
+        (query, key, value, torch.ones(2, 1, 2, 30, dtype=torch.bool)),  # masks for two query rows
+        (query, key, value, torch.ones(2, 2, 1, 30, dtype=torch.bool)),  # a mask per head
+        (query, key, value, mask[..., :29]),  # another number of keys
+        (query.bfloat16(), key.bfloat16(), value.bfloat16(), None),
+        (query[..., :32], key[..., :32], value[..., :32], None),  # heads of 32
+        (query, key[:, :1], value[:, :1], None),  # fewer key and value heads
+        (query, key.transpose(2, 3), value, None),  # strided rows
+        (query.clone().requires_grad_(), key, value, None),  # autograd
+        (*(t.to("meta") for t in (query, key, value)), None),  # no values to read
+        (*(TwoTensor(t, t * 2) for t in (t.contiguous() for t in (query, key, value))), None),  # data_ptr() 0
+    ]
+    for index, args in enumerate(refused):
+        assert not ops_hfgpt.native_decode_attention_applies(*args), index
+
+
+@needs_kernel
+def test_a_dispatch_mode_sees_sdpa_for_a_decoding_step():
+    query, key, value = _cached_step(1, 2, 30)
+    assert ops_hfgpt.native_decode_attention_applies(query, key, value, None)
+    with OpRecorder():
+        assert not ops_hfgpt.native_decode_attention_applies(query, key, value, None)
 
 
 # --- training: attention with dropout, forward and backward on the kernel ------------------------------

@@ -1,10 +1,11 @@
 /* hfgpt's causal self-attention on the CPU: out = softmax(scale Q K^T, causal) V per batch entry and
- * head, for heads of D = 64 (every GPT-1 and GPT-2 size) in float32. For prefill (no dropout), and for
- * training with dropout on the weights, forward and backward.
+ * head, for heads of D = 64 (every GPT-1 and GPT-2 size) in float32. For prefill (no dropout), for
+ * training with dropout on the weights, forward and backward, and for one decoding step's query against
+ * cached keys and values with an optional key mask (`head_decode`).
  *
  * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called from
- * ops_hfgpt.py (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training), which run
- * torch's ops wherever this does not apply. Torch's CPU flash-attention kernel spends half its time
+ * ops_hfgpt.py (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
+ * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's CPU flash-attention kernel spends half its time
  * outside the arithmetic on GPT-2's short heads of 64; this one holds a head's keys transposed ([D][T],
  * 128 KB at T = 512, in L2) and works R = 8 query rows at a time:
  *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, 8 rows x 32 keys in
@@ -267,6 +268,53 @@ static int64_t scratch_floats(int64_t T, int backward)
     const int64_t tp = (T + KB - 1) / KB * KB;
     return backward ? (D + 2 * R) * tp + 2 * tp * D : (D + R) * tp;
 }
+/* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
+ * vst), keys j with mask[j] == 0 left out (mask NULL: all T), into out. Scratch: s [T]. The scores are dot
+ * products of 64 floats (4 FMAs and a sum each), then the same exact softmax as head_forward's, then the
+ * weighted sum of the value rows in two interleaved sets of accumulators. No key attended: zeros, as sdpa. */
+static void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst, const uint8_t *mask,
+                        int64_t T, float scale, float *s, float *o)
+{
+    __m512 qv[D / 16];
+    for (int c = 0; c < D / 16; c++) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+    int64_t seen = 0;
+    for (int64_t j = 0; j < T; j++) {
+        const float *kj = k + j * kst;
+        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+        for (int c = 1; c < D / 16; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), d);
+        const int attend = !mask || mask[j];
+        s[j] = attend ? _mm512_reduce_add_ps(d) : -INFINITY;
+        seen += attend;
+    }
+    __m512 acc[2][D / 16];
+    for (int c = 0; c < D / 16; c++) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
+    if (!seen) {
+        for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, acc[0][c]);
+        return;
+    }
+    __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < T; j += 16) m = _mm512_mask_max_ps(m, first(T - j), m, _mm512_maskz_loadu_ps(first(T - j), s + j));
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t j = 0; j < T; j += 16) {
+        const __mmask16 lanes = first(T - j);
+        const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), mv)));
+        _mm512_mask_storeu_ps(s + j, lanes, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 f = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    int64_t j = 0;
+    for (; j + 1 < T; j += 2)
+        for (int h = 0; h < 2; h++) {
+            const __m512 w = _mm512_set1_ps(s[j + h]);
+            const float *vj = v + (j + h) * vst;
+            for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[h][c]);
+        }
+    if (j < T)
+        for (int c = 0; c < D / 16; c++)
+            acc[0][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(v + j * vst + 16 * c), acc[0][c]);
+    for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[0][c], acc[1][c]), f));
+}
+
 #else
 #define VECTORIZED 0
 #endif
@@ -362,4 +410,39 @@ int hfgpt_attention_train_backward(const float *q, const float *k, const float *
                       .vs = vs, .dos = dos, .dqs = dqs, .dks = dks, .dvs = dvs, .H = H, .T = T, .scale = scale,
                       .dp = &dp};
     return run_heads(&c, B, 1, threads);
+}
+
+/* One decoding step: q (B, H, 1, D) against k and v (B, H, T, D), strides [batch, head, position] in floats
+ * (q's and out's position strides unused), out (B, H, 1, D) at its strides. mask: NULL, or bytes (1 =
+ * attend) for batch entry b's T keys at mask + b * mask_stride (0: one row for all). Returns 0; 1 where
+ * scratch memory could not be allocated; 2 in a build without the kernel. */
+int hfgpt_attention_decode(const float *q, const float *k, const float *v, float *out, const uint8_t *mask,
+                           int64_t mask_stride, int64_t B, int64_t H, int64_t T, const int64_t *qs, const int64_t *ks,
+                           const int64_t *vs, const int64_t *os, float scale, int threads)
+{
+#if VECTORIZED
+    if (B <= 0 || H <= 0) return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && B * H > 1)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(T > 0 ? T : 1));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * H; t++) {
+            if (!s) continue;
+            const int64_t b = t / H, h = t % H;
+            head_decode(HEAD(q, qs, b, h), HEAD(k, ks, b, h), ks[2], HEAD(v, vs, b, h), vs[2],
+                        mask ? mask + b * mask_stride : NULL, T, scale, s, HEAD(out, os, b, h));
+        }
+        free(s);
+    }
+    return failed;
+#else
+    (void)q, (void)k, (void)v, (void)out, (void)mask, (void)mask_stride, (void)B, (void)H, (void)T;
+    (void)qs, (void)ks, (void)vs, (void)os, (void)scale, (void)threads;
+    return 2;
+#endif
 }
