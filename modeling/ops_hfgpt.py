@@ -252,7 +252,12 @@ def eager_on_cpu(x: torch.Tensor) -> bool:
 def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether the host may read these tensors' values (for input checks): run eagerly, and not meta or
     fake tensors (shape-only passes that estimate memory or FLOPs)."""
-    return _eager() and not any(t.device.type == "meta" or is_fake(t) for t in tensors)
+    return _eager() and not any(
+        t.device.type == "meta" or (type(t) not in _PLAIN_TENSOR_TYPES and is_fake(t)) for t in tensors
+    )
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # (not fake: skips is_fake's ~1.3 us a tensor)
 
 
 def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
