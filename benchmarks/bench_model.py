@@ -7,7 +7,8 @@ What is measured (issue 7), each as a ratio against the peer in the same run:
   against the measured matmul rate of that precision;
 * decoding: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
   new tokens/s, the generated tokens checked identical; beside it the bandwidth floor of one step
-  (weight bytes / measured memory read rate) and lower-precision variants (bfloat16, int8 weights);
+  (weight bytes / measured memory read rate, at the start of the run and, from a read probe timed
+  between the decoding runs, in the same minutes) and lower-precision variants (bfloat16, int8 weights);
 * a training step: forward, backward and fused AdamW, s/step and MFU, in float32 and inside bfloat16
   autocast (MFU against the bf16 matmul rate; CPUs with bf16 instructions run it several times faster);
 * peak memory of each of those, every measurement in its own subprocess (peak RSS on CPU,
@@ -187,6 +188,29 @@ def matmul_probes(device: str, dtype: torch.dtype, tiny: bool) -> dict[str, tupl
         for kernel, fn in matmul_kernels(a, b).items():
             probes[f"{PROBE} {kernel} {m}x{k}x{n}"] = (fn, 2.0 * m * k * n)
     return probes
+
+
+READ_PROBE = "read rate"  # names the `read_probe` contender in the decoding rounds
+READ_PROBE_SUMS = 3  # sums of the buffer per probe run
+
+
+def read_probe(nbytes: int, device: str) -> tuple[Callable[[], Any], int]:
+    """`measure_hardware`'s read-rate measurement (a `sum` streaming a buffer of `nbytes`, `READ_PROBE_SUMS`
+    times) as a contender for `interleaved`, with the bytes it reads: timed between the decoding runs, it
+    gives the read rate, and so the decoding floor, of those same minutes (the host's bandwidth moved
+    between 30 and 74 GB/s across this project's runs)."""
+    buffer = torch.ones(max(nbytes // 4, 1), device=device)
+
+    def probe() -> None:
+        for _ in range(READ_PROBE_SUMS):
+            buffer.sum()
+
+    return probe, READ_PROBE_SUMS * buffer.numel() * 4
+
+
+def floor_same_minutes(timings: dict[str, Timing], probe_bytes: int, weight_bytes: int) -> float:
+    """Pops the read probe's timing and returns the decoding floor at its rate (seconds a step)."""
+    return weight_bytes / (probe_bytes / timings.pop(READ_PROBE).median)
 
 
 def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
@@ -414,7 +438,8 @@ def _forward(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch.dty
 def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
     rows = []
     new = ctx.profile["new_tokens"]
-    floor = decode_weight_bytes(ours) / ctx.hardware["read_bytes_per_s"]
+    weight_bytes = decode_weight_bytes(ours)
+    floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
     for batch in ctx.profile["decode_batches"]:
         prompts = left_padded_prompts(batch, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
         # The timed runs' own tokens are compared (OpenAIGPT's recomputing decode is too slow to run twice).
@@ -424,8 +449,11 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
             out[name] = _no_grad(greedy, model, p, new)
 
         fns = {"hfgpt": lambda: run("hfgpt", ours), "transformers": lambda: run("transformers", peer)}
+        probe, probe_bytes = read_probe(weight_bytes, ctx.device)
+        fns[READ_PROBE] = probe
         repeats_of = {"transformers": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
         timings = interleaved(fns, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=repeats_of)
+        floor_now = floor_same_minutes(timings, probe_bytes, weight_bytes)
         same = bool(torch.equal(tokens["hfgpt"], tokens["transformers"]))
         for impl, timing in timings.items():
             rows.append(
@@ -441,6 +469,7 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
                         "tokens_identical": same,
                         "ms_per_step": 1000 * timing.median / new,
                         "floor_ms_per_step": 1000 * floor,
+                        "floor_same_minutes_ms_per_step": 1000 * floor_now,
                     },
                 )
             )
@@ -484,10 +513,14 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
             }
     fns = {name: (lambda m=model: _no_grad(greedy, m, prompts, new)) for name, model in variants.items()}
     rows = []
-    floor = decode_weight_bytes(ours) / ctx.hardware["read_bytes_per_s"]
+    weight_bytes = decode_weight_bytes(ours)
+    floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
+    probe, probe_bytes = read_probe(weight_bytes, ctx.device)
+    fns[READ_PROBE] = probe
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
     timings = interleaved(fns, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=slow)
+    floor_now = floor_same_minutes(timings, probe_bytes, weight_bytes)
     for name, timing in timings.items():
         rows.append(
             Row(
@@ -502,6 +535,7 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                     **accuracy[name],
                     "ms_per_step": 1000 * timing.median / new,
                     "fp32_floor_ms_per_step": 1000 * floor,
+                    "fp32_floor_same_minutes_ms_per_step": 1000 * floor_now,
                 },
             )
         )
@@ -886,7 +920,9 @@ def format_table(report: dict[str, Any]) -> str:
                 lines.append(
                     f"| {family} | decode {name} | {case} | {_cell(row)} | {_cell(ref)} | "
                     f"{row['rate'] / ref['rate']:.2f}x | {ex['ms_per_step']:.1f} ms/step (fp32 floor "
-                    f"{ex['fp32_floor_ms_per_step']:.1f}); max logit err {ex['max_abs_logit_err']:.2g}, "
+                    f"{ex['fp32_floor_ms_per_step']:.1f}"
+                    f"{_same_minutes(ex, 'fp32_floor_same_minutes_ms_per_step')}); "
+                    f"max logit err {ex['max_abs_logit_err']:.2g}, "
                     f"top-1 {100 * ex['top1_agreement']:.1f}%, greedy agree "
                     f"{100 * ex['greedy_token_agreement']:.0f}% |"
                 )
@@ -903,6 +939,12 @@ def format_table(report: dict[str, Any]) -> str:
         "peak (<1 = hfgpt smaller). Cells: median rate (min-max over runs)."
     )
     return "\n".join(lines)
+
+
+def _same_minutes(extra: dict, key: str) -> str:
+    """The floor at the read rate timed between the decoding runs, where the figures have it (since
+    session 17)."""
+    return f", same minutes {extra[key]:.1f}" if key in extra else ""
 
 
 def _cell(row: dict | None) -> str:
@@ -930,7 +972,7 @@ def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
         floor = ex["floor_ms_per_step"]
         text = f"{ours['extra']['ms_per_step']:.1f} vs {peer['extra']['ms_per_step']:.1f} ms/step"
         if ours["case"].startswith("B=1,"):
-            text += f" (floor {floor:.1f})"
+            text += f" (floor {floor:.1f}{_same_minutes(ex, 'floor_same_minutes_ms_per_step')})"
         return text + f"; tokens identical: {'yes' if ex['tokens_identical'] else 'NO'}"
     if section == "train":
         return f"{ours['median_s']:.2f} vs {peer['median_s']:.2f} s/step; {_concurrent(ours, peer)}"

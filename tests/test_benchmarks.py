@@ -82,6 +82,17 @@ def test_figures_are_finite_and_positive(tiny_report):
             assert ex["mfu_concurrent"] == pytest.approx(
                 ex["flops"] / row["median_s"] / ex["concurrent_matmul_flops_per_s"]
             )
+        if row["section"] in ("decode", "lowp"):
+            # The decoding floor at the start-of-run read rate, and at the rate timed between the runs.
+            ex = row["extra"]
+            prefix = "fp32_" if row["section"] == "lowp" else ""
+            bytes_key = f"{row['family']}_decode_weight_bytes"
+            if bytes_key in hw:  # (the GPT-1 rows come from a run with its own hardware figures)
+                assert ex[f"{prefix}floor_ms_per_step"] == pytest.approx(
+                    1000 * hw[bytes_key] / hw["read_bytes_per_s"]
+                )
+            same_minutes = ex[f"{prefix}floor_same_minutes_ms_per_step"]
+            assert 0 < same_minutes < math.inf, row
 
 
 def test_same_weights_give_same_logits_and_tokens(tiny_report):
