@@ -195,10 +195,11 @@ READ_PROBE_SUMS = 3  # sums of the buffer per probe run
 
 
 def read_probe(nbytes: int, device: str) -> tuple[Callable[[], Any], int]:
-    """`measure_hardware`'s read-rate measurement (a `sum` streaming a buffer of `nbytes`, `READ_PROBE_SUMS`
-    times) as a contender for `interleaved`, with the bytes it reads: timed between the decoding runs, it
-    gives the read rate, and so the decoding floor, of those same minutes (the host's bandwidth moved
-    between 30 and 74 GB/s across this project's runs)."""
+    """`measure_hardware`'s way of timing the read rate, a `sum` streaming a buffer (here of the model's
+    weight bytes, `READ_PROBE_SUMS` times a run, no warm-up of its own), as a contender for `interleaved`,
+    with the bytes it reads: timed between the decoding runs, it gives the read rate, and so the decoding
+    floor, of those same minutes (the host's bandwidth moved between 30 and 74 GB/s across this project's
+    runs)."""
     buffer = torch.ones(max(nbytes // 4, 1), device=device)
 
     def probe() -> None:

@@ -191,11 +191,16 @@ def dispatch_modes_allow() -> bool:
 
 def plain_tensors(*tensors: torch.Tensor) -> bool:
     """Whether a kernel may read these tensors' memory as their values: tensors, parameters, or subclasses
-    that only override `__torch_function__`. A subclass that dispatches through Python (`__torch_dispatch__`:
-    DTensor, FakeTensor, TwoTensor) keeps its values elsewhere or has none (its `data_ptr()` may be 0, and
-    a kernel reading there would crash the process), so callers run torch's ops on it."""
+    that only override `__torch_function__`, holding their values as stored. A subclass that dispatches
+    through Python (`__torch_dispatch__`: DTensor, FakeTensor, TwoTensor) keeps its values elsewhere or has
+    none (its `data_ptr()` may be 0, and a kernel reading there would crash the process), a zero tensor
+    (`torch._efficientzerotensor`) has no memory, and a negated view (`torch._neg_view`) holds the negatives
+    of its values: callers run torch's ops on all of them."""
     return all(
-        type(t) in _PLAIN_TYPES or not torch._C._dispatch_keys(t).has(_PYTHON_DISPATCH) for t in tensors
+        (type(t) in _PLAIN_TYPES or not torch._C._dispatch_keys(t).has(_PYTHON_DISPATCH))
+        and not t.is_neg()
+        and not t._is_zerotensor()
+        for t in tensors
     )
 
 

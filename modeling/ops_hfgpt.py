@@ -777,6 +777,7 @@ def native_attention_takes(
         and query.shape[-1] == NATIVE_HEAD_SIZE
         and key.shape == query.shape == value.shape
         and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+        and not torch.is_autocast_enabled("cpu")  # (sdpa would run in autocast's dtype)
         and values_readable(*tensors)
         and _attention_kernel() is not None
         and native.dispatch_modes_allow()
@@ -836,10 +837,10 @@ def native_causal_attention(
 def native_decode_attention_applies(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
 ) -> bool:
-    """Whether `native_decode_attention` stands in for sdpa: one query position (a decoding step) of float32
-    CPU heads of 64 against cached keys and values of the same batch and heads, rows contiguous, no
-    autograd, and no mask or a boolean key mask of shape (B or 1, 1, 1, T) as transformers makes for
-    padded prompts; run eagerly on plain tensors, with the kernel available."""
+    """Whether `native_decode_attention` stands in for sdpa: one query position (a decoding step, or a
+    one-token prompt) of float32 CPU heads of 64 against keys and values of the same batch and heads, rows
+    contiguous, no autograd, outside autocast, and no mask or a boolean key mask of shape (B or 1, 1, 1, T)
+    as transformers makes for padded prompts; run eagerly on plain tensors, with the kernel available."""
     batch, heads, new, dim = query.shape if query.dim() == 4 else (0, 0, 0, 0)
     tensors = (query, key, value)
     return (
@@ -851,6 +852,7 @@ def native_decode_attention_applies(
         and value.shape == key.shape
         and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
         and not any(t.requires_grad for t in tensors)
+        and not torch.is_autocast_enabled("cpu")  # (sdpa would run in autocast's dtype)
         and (attention_mask is None or _decode_key_mask(attention_mask, batch, key.shape[-2]))
         and values_readable(*tensors)
         and _attention_kernel() is not None
@@ -884,7 +886,8 @@ def native_decode_attention(
     """sdpa for one decoding step (`native_decode_attention_applies`) by hfgpt's C kernel
     (`hfgpt_attention_decode` in csrc/attention.c), into a (B, 1, H, D) output: per head, the query's 64-wide
     dot products with the cached keys, an exact softmax over the keys the mask keeps, and the weighted
-    values; a row that attends to no key gets zeros, as sdpa's. torch's sdpa spends most of such a step
+    values; a row that attends to no key gets zeros, as sdpa's. Masked keys and values are not read, so a
+    NaN or an infinity there does not reach the output (in sdpa it still gives NaN). torch's sdpa spends most of such a step
     outside the arithmetic, and each layer's cached keys and values come from memory after the step's
     weights have gone through the caches (GPT-2 124M, 64+128 tokens, in `generate()`: ~84 us a layer at
     B=1 and ~520 us at B=8 here)."""

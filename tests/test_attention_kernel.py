@@ -153,6 +153,9 @@ def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
     # A __torch_dispatch__ subclass, whose data_ptr() is 0
     two = [TwoTensor(t, t * 2) for t in (t.contiguous() for t in (q, k, v))]
     assert not native_attention_applies(*two, None)
+    assert not native_attention_applies(q, torch._neg_view(k), v, None)  # holds the negatives of its values
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa would compute in bfloat16
+        assert not native_attention_applies(q, k, v, None)
     # Shapes sdpa broadcasts or accepts, which the kernel does not read: fewer key and value heads, values
     # of another width, a 3-D input.
     assert not native_attention_applies(q, k[:, :1], v[:, :1], None)
@@ -327,6 +330,34 @@ def test_decoding_kernel_reads_masks_of_any_batch_stride_and_gives_sdpas_zeros_f
 
 
 @needs_kernel
+def test_decoding_kernel_reads_keys_and_values_of_different_layouts():
+    """Values laid out otherwise than the keys (batch-major copies, a head stride of 0 from `expand`):
+    each read at its own strides."""
+    query, key, value = _cached_step(2, 3, 40)
+    values = value.transpose(0, 1).contiguous().transpose(0, 1)  # (B, H, T, D) with heads outermost
+    shared = value[:, :1].expand(2, 3, 40, 64)
+    for v in (values, shared):
+        assert ops_hfgpt.native_decode_attention_applies(query, key, v, None)
+        got, _ = native_decode_attention(torch.nn.Module(), query, key, v, None, scaling=0.125)
+        torch.testing.assert_close(got, _sdpa64(query, key, v, None, 0.125).float(), atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+def test_decoding_kernel_never_reads_masked_keys_and_values():
+    """Masked positions weigh exactly 0 and are not read: NaN keys and infinite values there leave the
+    output that of the same step with finite values in their place (sdpa would give NaN)."""
+    query, key, value = _cached_step(2, 2, 24)
+    mask = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    mask[:, ..., 3:6] = False
+    want, _ = native_decode_attention(torch.nn.Module(), query, key, value, mask, scaling=0.125)
+    torch.testing.assert_close(want, _sdpa64(query, key, value, mask, 0.125).float(), atol=1e-6, rtol=1e-6)
+    key, value = key.clone(), value.clone()
+    key[:, :, 3], value[:, :, 4], value[:, :, 5] = float("nan"), float("inf"), 1e30
+    got, _ = native_decode_attention(torch.nn.Module(), query, key, value, mask, scaling=0.125)
+    assert torch.equal(got, want)
+
+
+@needs_kernel
 def test_decoding_kernel_result_does_not_depend_on_the_thread_count():
     query, key, value = _cached_step(2, 12, 90)
     results = []
@@ -361,13 +392,18 @@ def test_decoding_kernel_applies_only_to_one_float32_query_against_cached_heads_
         (query.bfloat16(), key.bfloat16(), value.bfloat16(), None),
         (query[..., :32], key[..., :32], value[..., :32], None),  # heads of 32
         (query, key[:, :1], value[:, :1], None),  # fewer key and value heads
-        (query, key.transpose(2, 3), value, None),  # strided rows
+        (query, key.transpose(2, 3).contiguous().transpose(2, 3), value, None),  # strided rows
+        (query, key, value, torch.ones(30, 2, dtype=torch.bool).t()[:, None, None, :]),  # strided mask row
+        (query, torch._neg_view(key), value, None),  # holds the negatives of its values
+        (query, key, torch._efficientzerotensor(key.shape), None),  # no memory
         (query.clone().requires_grad_(), key, value, None),  # autograd
         (*(t.to("meta") for t in (query, key, value)), None),  # no values to read
         (*(TwoTensor(t, t * 2) for t in (t.contiguous() for t in (query, key, value))), None),  # data_ptr() 0
     ]
     for index, args in enumerate(refused):
         assert not ops_hfgpt.native_decode_attention_applies(*args), index
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa would compute in bfloat16
+        assert not ops_hfgpt.native_decode_attention_applies(query, key, value, None)
 
 
 @needs_kernel

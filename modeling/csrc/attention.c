@@ -5,9 +5,10 @@
  *
  * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called from
  * ops_hfgpt.py (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
- * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's CPU flash-attention kernel spends half its time
- * outside the arithmetic on GPT-2's short heads of 64; this one holds a head's keys transposed ([D][T],
- * 128 KB at T = 512, in L2) and works R = 8 query rows at a time:
+ * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's
+ * CPU flash-attention kernel spends half its time outside the arithmetic on GPT-2's short heads of 64;
+ * this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and works R = 8 query rows
+ * at a time:
  *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, 8 rows x 32 keys in
  *           16 AVX-512 accumulators, one broadcast of q[r][d] per 2 FMAs (`dots`);
  *   softmax per row over j <= i (the row's own position), exactly: max, exp(S - max), sum (the block's
@@ -25,7 +26,9 @@
  * exp is vector_math.h's `exp_ps` (relative error ~1e-7, as expf; arguments clamped at -103, whose exp,
  * float's smallest subnormal, is a weight of nothing). Each output row
  * reads only its own query and the keys and values up to its position, as causal sdpa: a NaN or an
- * infinity there gives NaN outputs in that row (as in sdpa), and never reaches an earlier row.
+ * infinity there gives NaN outputs in that row (as in sdpa), and never reaches an earlier row. A decoding
+ * step reads only the keys and values its mask keeps: a NaN or an infinity at a masked position, which
+ * sdpa's scores and sums would still carry into NaN outputs, does not reach its output.
  */
 #include <math.h>
 #include <stdint.h>
@@ -269,9 +272,11 @@ static int64_t scratch_floats(int64_t T, int backward)
     return backward ? (D + 2 * R) * tp + 2 * tp * D : (D + R) * tp;
 }
 /* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
- * vst), keys j with mask[j] == 0 left out (mask NULL: all T), into out. Scratch: s [T]. The scores are dot
- * products of 64 floats (4 FMAs and a sum each), then the same exact softmax as head_forward's, then the
- * weighted sum of the value rows in two interleaved sets of accumulators. No key attended: zeros, as sdpa. */
+ * vst), into out. Keys j with mask[j] == 0 (mask NULL: none) are never read, and neither are their value
+ * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats (a multiply
+ * and 3 FMAs of 16 lanes, then a sum), then the same exact softmax as head_forward's over the keys
+ * attended, then the weighted sum of their value rows in two interleaved sets of accumulators. No key
+ * attended: zeros, as sdpa. */
 static void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst, const uint8_t *mask,
                         int64_t T, float scale, float *s, float *o)
 {
@@ -279,12 +284,15 @@ static void head_decode(const float *q, const float *k, int64_t kst, const float
     for (int c = 0; c < D / 16; c++) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
     int64_t seen = 0;
     for (int64_t j = 0; j < T; j++) {
+        if (mask && !mask[j]) {
+            s[j] = -INFINITY;
+            continue;
+        }
         const float *kj = k + j * kst;
         __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
         for (int c = 1; c < D / 16; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), d);
-        const int attend = !mask || mask[j];
-        s[j] = attend ? _mm512_reduce_add_ps(d) : -INFINITY;
-        seen += attend;
+        s[j] = _mm512_reduce_add_ps(d);
+        seen++;
     }
     __m512 acc[2][D / 16];
     for (int c = 0; c < D / 16; c++) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
@@ -292,26 +300,31 @@ static void head_decode(const float *q, const float *k, int64_t kst, const float
         for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, acc[0][c]);
         return;
     }
-    __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < T; j += 16) m = _mm512_mask_max_ps(m, first(T - j), m, _mm512_maskz_loadu_ps(first(T - j), s + j));
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 m = minus_inf, sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < T; j += 16) {
+        const __mmask16 lanes = first(T - j);
+        m = _mm512_mask_max_ps(m, lanes, m, _mm512_maskz_loadu_ps(lanes, s + j));
+    }
     const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     for (int64_t j = 0; j < T; j += 16) {
         const __mmask16 lanes = first(T - j);
-        const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), mv)));
+        const __m512 sj = _mm512_maskz_loadu_ps(lanes, s + j);
+        /* a masked score (-inf) weighs exactly 0 (exp_ps's clamp would give 1.4e-45); a NaN stays NaN */
+        const __mmask16 attended = lanes & _mm512_cmp_ps_mask(sj, minus_inf, _CMP_NEQ_UQ);
+        const __m512 e = _mm512_maskz_mov_ps(attended, exp_ps(_mm512_sub_ps(sj, mv)));
         _mm512_mask_storeu_ps(s + j, lanes, e);
         sum = _mm512_add_ps(sum, e);
     }
     const __m512 f = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    int64_t j = 0;
-    for (; j + 1 < T; j += 2)
-        for (int h = 0; h < 2; h++) {
-            const __m512 w = _mm512_set1_ps(s[j + h]);
-            const float *vj = v + (j + h) * vst;
-            for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[h][c]);
-        }
-    if (j < T)
-        for (int c = 0; c < D / 16; c++)
-            acc[0][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(v + j * vst + 16 * c), acc[0][c]);
+    int h = 0; /* the accumulator set of the next attended key */
+    for (int64_t j = 0; j < T; j++) {
+        if (mask && !mask[j]) continue;
+        const __m512 w = _mm512_set1_ps(s[j]);
+        const float *vj = v + j * vst;
+        for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[h][c]);
+        h ^= 1;
+    }
     for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[0][c], acc[1][c]), f));
 }
 
