@@ -38,7 +38,6 @@ from torch.nn.modules.module import (
     _global_forward_pre_hooks,
 )
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 try:  # hfgpt's C kernels; a checkpoint's copy of this file (trust_remote_code) runs torch's ops instead
@@ -767,21 +766,32 @@ def native_attention_takes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
 ) -> bool:
     """Whether the C attention kernel can compute this attention: causal self-attention without a mask (no
-    cached keys, no padding) of queries, keys and values of one (B, H, T, 64) shape, float32 CPU tensors
-    with contiguous rows, run eagerly with no dispatch mode to see torch's ops (`native.dispatch_modes_allow`),
-    and the kernel available."""
-    tensors = (query, key, value)
+    cached keys, no padding) of queries, keys and values of one (B, H, T, 64) shape, float32 CPU tensors that
+    the kernel can read (`_attention_kernel_reads`)."""
     return (
         attention_mask is None
         and query.dim() == 4
         and query.shape[-1] == NATIVE_HEAD_SIZE
         and key.shape == query.shape == value.shape
-        and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
-        and not torch.is_autocast_enabled("cpu")  # (sdpa would run in autocast's dtype)
+        and _attention_kernel_reads(query, key, value)
+    )
+
+
+def _attention_kernel_reads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *masks: torch.Tensor
+) -> bool:
+    """What every use of the C attention kernel needs of its inputs: float32 CPU queries, keys and values
+    with contiguous rows, outside autocast (sdpa would run in autocast's dtype), values the host may read
+    (`values_readable`) and plain tensors, masks included (`native.plain_tensors`), no dispatch mode to see
+    torch's ops (`native.dispatch_modes_allow`), and the kernel available."""
+    tensors = (query, key, value)
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+        and not torch.is_autocast_enabled("cpu")
         and values_readable(*tensors)
         and _attention_kernel() is not None
         and native.dispatch_modes_allow()
-        and native.plain_tensors(*tensors)
+        and native.plain_tensors(*tensors, *masks)
     )
 
 
@@ -839,10 +849,9 @@ def native_decode_attention_applies(
 ) -> bool:
     """Whether `native_decode_attention` stands in for sdpa: one query position (a decoding step, or a
     one-token prompt) of float32 CPU heads of 64 against keys and values of the same batch and heads, rows
-    contiguous, no autograd, outside autocast, and no mask or a boolean key mask of shape (B or 1, 1, 1, T)
-    as transformers makes for padded prompts; run eagerly on plain tensors, with the kernel available."""
+    contiguous, no autograd, and no mask or a boolean key mask of shape (B or 1, 1, 1, T) as transformers
+    makes for padded prompts, that the kernel can read (`_attention_kernel_reads`)."""
     batch, heads, new, dim = query.shape if query.dim() == 4 else (0, 0, 0, 0)
-    tensors = (query, key, value)
     return (
         new == 1
         and dim == NATIVE_HEAD_SIZE
@@ -850,14 +859,9 @@ def native_decode_attention_applies(
         and key.shape[:2] == (batch, heads)
         and key.shape[-1] == dim
         and value.shape == key.shape
-        and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
-        and not any(t.requires_grad for t in tensors)
-        and not torch.is_autocast_enabled("cpu")  # (sdpa would run in autocast's dtype)
+        and not any(t.requires_grad for t in (query, key, value))
         and (attention_mask is None or _decode_key_mask(attention_mask, batch, key.shape[-2]))
-        and values_readable(*tensors)
-        and _attention_kernel() is not None
-        and native.dispatch_modes_allow()
-        and native.plain_tensors(*tensors, *(() if attention_mask is None else (attention_mask,)))
+        and _attention_kernel_reads(query, key, value, *(() if attention_mask is None else (attention_mask,)))
     )
 
 
@@ -886,15 +890,12 @@ def native_decode_attention(
     """sdpa for one decoding step (`native_decode_attention_applies`) by hfgpt's C kernel
     (`hfgpt_attention_decode` in csrc/attention.c), into a (B, 1, H, D) output: per head, the query's 64-wide
     dot products with the cached keys, an exact softmax over the keys the mask keeps, and the weighted
-    values; a row that attends to no key gets zeros, as sdpa's. Masked keys and values are not read, so a
-    NaN or an infinity there does not reach the output (in sdpa it still gives NaN). torch's sdpa spends most of such a step
+    values; a row that attends to no key gets zeros, as sdpa's. No dropout: training attention with dropout
+    takes `cpu_dropout_attention` first. Masked keys and values are not read, so a NaN or an infinity there
+    does not reach the output (in sdpa it still gives NaN). torch's sdpa spends most of such a step
     outside the arithmetic, and each layer's cached keys and values come from memory after the step's
     weights have gone through the caches (GPT-2 124M, 64+128 tokens, in `generate()`: ~84 us a layer at
     B=1 and ~520 us at B=8 here)."""
-    if dropout > 0.0:  # (training: not a decoding step's attention)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
     batch, heads, _, dim = query.shape
     output = query.new_empty(batch, 1, heads, dim)
     mask, mask_stride = None, 0
