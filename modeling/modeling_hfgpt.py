@@ -192,10 +192,9 @@ class GPTAttention(nn.Module):
         if past_key_values is not None:
             key, value = append_to_cache(past_key_values, key, value, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        if self.config._attn_implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
+        implementation = self.config._attn_implementation
+        attention_interface = None
+        if implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
             if fast_dropout_applies(query, self.attn_dropout, self.training):
                 attention_interface = cpu_dropout_attention
             elif native_attention_applies(query, key, value, attention_mask):
@@ -204,8 +203,12 @@ class GPTAttention(nn.Module):
                 attention_interface = native_decode_attention
             elif banded_attention_applies(query, key, attention_mask):
                 attention_interface = cpu_banded_attention
+        if attention_interface is None:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                implementation, eager_attention_forward
+            )
         input_dtype = query.dtype
-        if self.config.reorder_and_upcast_attn and input_dtype not in (torch.float32, torch.float64):
+        if input_dtype not in (torch.float32, torch.float64) and self.config.reorder_and_upcast_attn:
             # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
             # honoured by every backend by running it in float32.
             query, key, value = query.float(), key.float(), value.float()
