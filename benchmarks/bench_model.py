@@ -209,9 +209,19 @@ def read_probe(nbytes: int, device: str) -> tuple[Callable[[], Any], int]:
     return probe, READ_PROBE_SUMS * buffer.numel() * 4
 
 
-def floor_same_minutes(timings: dict[str, Timing], probe_bytes: int, weight_bytes: int) -> float:
-    """Pops the read probe's timing and returns the decoding floor at its rate (seconds a step)."""
-    return weight_bytes / (probe_bytes / timings.pop(READ_PROBE).median)
+def interleaved_with_floors(
+    ctx: Context, ours: nn.Module, fns: dict[str, Callable[[], Any]], repeats_of: dict[str, int] | None
+) -> tuple[dict[str, Timing], float, float]:
+    """`interleaved` decoding runs with a `read_probe` of `ours`' decoding weight bytes as the last
+    contender: the runs' timings (the probe's taken out), and the decoding floor (seconds a step) at the
+    start-of-run read rate and at the probe's, of the same minutes."""
+    weight_bytes = decode_weight_bytes(ours)
+    probe, probe_bytes = read_probe(weight_bytes, ctx.device)
+    timings = interleaved(
+        {**fns, READ_PROBE: probe}, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=repeats_of
+    )
+    floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
+    return timings, floor, weight_bytes / (probe_bytes / timings.pop(READ_PROBE).median)
 
 
 def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
@@ -441,8 +451,6 @@ def _forward(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch.dty
 def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
     rows = []
     new = ctx.profile["new_tokens"]
-    weight_bytes = decode_weight_bytes(ours)
-    floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
     for batch in ctx.profile["decode_batches"]:
         prompts = left_padded_prompts(batch, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
         # The timed runs' own tokens are compared (OpenAIGPT's recomputing decode is too slow to run twice).
@@ -452,11 +460,8 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
             out[name] = _no_grad(greedy, model, p, new)
 
         fns = {"hfgpt": lambda: run("hfgpt", ours), "transformers": lambda: run("transformers", peer)}
-        probe, probe_bytes = read_probe(weight_bytes, ctx.device)
-        fns[READ_PROBE] = probe
         repeats_of = {"transformers": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
-        timings = interleaved(fns, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=repeats_of)
-        floor_now = floor_same_minutes(timings, probe_bytes, weight_bytes)
+        timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, repeats_of)
         same = bool(torch.equal(tokens["hfgpt"], tokens["transformers"]))
         for impl, timing in timings.items():
             rows.append(
@@ -516,14 +521,9 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
             }
     fns = {name: (lambda m=model: _no_grad(greedy, m, prompts, new)) for name, model in variants.items()}
     rows = []
-    weight_bytes = decode_weight_bytes(ours)
-    floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
-    probe, probe_bytes = read_probe(weight_bytes, ctx.device)
-    fns[READ_PROBE] = probe
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
-    timings = interleaved(fns, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=slow)
-    floor_now = floor_same_minutes(timings, probe_bytes, weight_bytes)
+    timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, slow)
     for name, timing in timings.items():
         rows.append(
             Row(
