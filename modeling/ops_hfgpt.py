@@ -877,7 +877,7 @@ def _decode_key_mask(mask: Any, batch: int, keys: int) -> bool:
         and mask.dim() == 4
         and mask.shape[0] in (1, batch)
         and mask.shape[1:] == (1, 1, keys)
-        and mask.device.type == "cpu"
+        and mask.is_cpu
         and (keys == 1 or mask.stride(-1) == 1)
     )
 
