@@ -18,6 +18,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import native
+from .huge_pages import gather_into_huge_pages
 from .modeling_hfgpt import GPTPreTrainedModel
 from .ops_hfgpt import (
     FEW_ROWS,
@@ -314,6 +315,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       products through oneDNN's linear op). For one row, the CPU's bfloat16 kernels read an `[out, in]`
       weight ~1.6x faster than Conv1D's `[in, out]` (768 x 3072: 159-174 vs 251-271 us, weights not in
       cache), which a plain `model.to(torch.bfloat16)` would keep.
+    Its weights then share one mapping advised into transparent huge pages (`huge_pages`, Linux), which
+    a decoding step streams faster than 4 KiB pages: GPT-2 int8 products 4.30 vs 5.07 ms a step here.
     The copy is for inference: its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse
     it (ValueError); save the float32 model instead.
     """
@@ -326,14 +329,14 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("quantize_for_decoding expects float32 weights; call model.float() first")
     model = copy.deepcopy(model).eval()
-    if dtype == torch.float32:
+    if dtype == torch.qint8:
+        _to_int8(model)
+    else:
         _conv1d_to_linear(model, DecodingLinear)
-        return _mark_decoding_copy(model, dtype)
     if dtype == torch.bfloat16:
-        _conv1d_to_linear(model, DecodingLinear)
         _head_to_decoding_linear(model)
-        return _mark_decoding_copy(model.to(torch.bfloat16), dtype)
-    _to_int8(model)
+        model = model.to(torch.bfloat16)
+    gather_into_huge_pages(model)
     return _mark_decoding_copy(model, dtype)
 
 

@@ -71,6 +71,10 @@ def test_figures_are_finite_and_positive(tiny_report):
     assert set(by_kernel) == ({"torch.mm", "onednn"} if onednn else {"torch.mm"})
     assert hw["matmul_flops_per_s"] == max(by_kernel.values())
     assert tiny_report["machine"]["hfgpt_cpu_products"] == ("onednn" if onednn else "mkl")
+    # The read rate is the better of 4 KiB pages and huge pages (hfgpt's decoding copies use the latter).
+    by_pages = hw["read_bytes_per_s_by_pages"]
+    assert set(by_pages) == {"4 KiB", "2 MiB"} and min(by_pages.values()) > 0
+    assert hw["read_bytes_per_s"] == max(by_pages.values())
     for row in tiny_report["rows"]:
         assert row["rate"] > 0 and math.isfinite(row["rate"]), row
         if row["section"] != "memory":
