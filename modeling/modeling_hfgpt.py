@@ -187,7 +187,22 @@ class GPTAttention(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len, _ = hidden_states.shape
-        qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+        output, weights = self.attend(self.c_attn(hidden_states), attention_mask, past_key_values, **kwargs)
+        output = output.reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
+        output = self.resid_dropout(self.c_proj(output))
+        return output, weights
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # (B, T, 3E): c_attn's output
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention between c_attn and c_proj: the new keys and values into the cache, then the
+        backend's attention. Returns the (B, T, H, D) output, in the queries' dtype, and the weights."""
+        batch, seq_len, _ = qkv.shape
+        qkv = qkv.view(batch, seq_len, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
         if past_key_values is not None:
             key, value = append_to_cache(past_key_values, key, value, self.layer_idx)
@@ -222,9 +237,7 @@ class GPTAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
-        output = self.resid_dropout(self.c_proj(output))
-        return output, weights
+        return output.to(input_dtype), weights
 
 
 class GPTMLP(nn.Module):

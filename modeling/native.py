@@ -52,6 +52,19 @@ SIGNATURES = {
             ctypes.c_int,
             [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, ctypes.c_int],
         ),
+        "hfgpt_int8_fused_available": (ctypes.c_int, []),
+        # x, rows, in, ln weight, ln bias, eps, packed w, out, inp, scale, bias, y, threads
+        "hfgpt_int8_norm_linear": (
+            ctypes.c_int,
+            [_P, _I64, _I64, _P, _P, ctypes.c_float, _P, _I64, _I64, _P, _P, _P, ctypes.c_int],
+        ),
+        # attn, h, y, rows, n, pre_norm, ln_1 weight, bias, ln_2 weight, bias, eps,
+        # c_proj (w, inp, scale, bias), c_fc (w, out, inp, scale, bias), mlp c_proj (w, inp, scale, bias), threads
+        "hfgpt_int8_block_tail": (
+            ctypes.c_int,
+            [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P, ctypes.c_float]
+            + [_P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, ctypes.c_int],
+        ),
     },
     "attention": {
         "hfgpt_attention_vectorized": (ctypes.c_int, []),

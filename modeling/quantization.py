@@ -8,6 +8,7 @@ agreement) beside float32.
 """
 
 import copy
+import ctypes
 import math
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -15,15 +16,17 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers.pytorch_utils import Conv1D
 
 from . import native
 from .huge_pages import gather_into_huge_pages
-from .modeling_hfgpt import GPTPreTrainedModel
+from .modeling_hfgpt import GPTBlock, GPTPreTrainedModel
 from .ops_hfgpt import (
     FEW_ROWS,
     fast_product_applies,
     few_rows_product,
+    gelu_tanh,
     needs_grad,
     onednn_mm,
     onednn_runs_here,
@@ -209,6 +212,126 @@ class Int8Linear(nn.Module):
         )
 
 
+class Int8Block(GPTBlock):
+    """A block of an int8 decoding copy: the same modules and the same order of operations as `GPTBlock`,
+    run in two calls of hfgpt's C kernel around the attention where they can be (`fused_library`):
+    `hfgpt_int8_norm_linear` (ln_1 and c_attn) and `hfgpt_int8_block_tail` (c_proj, the residual sums,
+    ln_2, the MLP; GPT-1's post-norms too), instead of ~20 torch ops and module calls a block. GPT-2's int8
+    decoding steps spent ~160 us a block outside the products that way. The products are the same as
+    `Int8Linear`'s; the layer norms and the GELU are the kernel's own, which agree with torch's to float
+    rounding (tests/test_quantization.py measures what that does to the logits)."""
+
+    @classmethod
+    def of(cls, block: GPTBlock) -> "Int8Block":
+        """An `Int8Block` holding `block`'s modules (the same objects)."""
+        with torch.device("meta"):
+            new = cls(block.attn.config, block.attn.layer_idx)
+        for name, child in block.named_children():
+            setattr(new, name, child)
+        new.train(block.training)
+        return new
+
+    def fused_library(self, hidden_states: torch.Tensor) -> ctypes.CDLL | None:
+        """The int8 kernel library where the fused path computes what `GPTBlock.forward` would: inference
+        (no module training, no gradient needed), float32 CPU hidden states outside autocast and
+        compilation, int8 layers throughout, affine layer norms of one epsilon, the tanh GELU, and no hook
+        on a module the fused path would not call; else None. (~5 us: it runs on every block of every
+        decoding step, so it reads the modules' own dictionaries.)"""
+        modules = self._modules
+        attn, mlp, ln_1, ln_2 = modules["attn"], modules["mlp"], modules["ln_1"], modules["ln_2"]
+        c_attn, c_proj = attn._modules["c_attn"], attn._modules["c_proj"]
+        c_fc, mlp_proj = mlp._modules["c_fc"], mlp._modules["c_proj"]
+        norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
+        width = hidden_states.shape[-1]
+        if (
+            self.training
+            or attn.training
+            or mlp.training
+            or hidden_states.dtype != torch.float32
+            or not hidden_states.is_cpu
+            or hidden_states.dim() != 3
+            or type(c_attn) is not Int8Linear
+            or type(c_proj) is not Int8Linear
+            or type(c_fc) is not Int8Linear
+            or type(mlp_proj) is not Int8Linear
+            or c_attn.in_features != width
+            or mlp.act is not gelu_tanh
+            or type(ln_1) is not nn.LayerNorm
+            or type(ln_2) is not nn.LayerNorm
+            or len(norms) != 4
+            or any(p is None for p in norms)
+            or ln_1.eps != ln_2.eps
+            or ln_1.normalized_shape != (width,)
+            or ln_2.normalized_shape != (width,)
+            or (torch.is_grad_enabled() and needs_grad(hidden_states, *norms))
+            or torch.is_autocast_enabled("cpu")
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or _global_forward_hooks
+            or _global_forward_pre_hooks
+        ):
+            return None
+        for module in (attn, c_attn, c_proj, mlp, c_fc, mlp_proj, ln_1, ln_2):
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+                return None  # (as `has_forward_hooks`: code that the fused path would not run)
+        library = native.kernel("int8_linear")
+        if (
+            library is None
+            or not library.hfgpt_int8_fused_available()
+            or not native.dispatch_modes_allow()
+            or not native.plain_tensors(hidden_states)
+        ):
+            return None
+        return library
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        library = self.fused_library(hidden_states)
+        if library is None:
+            return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
+        attn, mlp, ln_1, ln_2 = self.attn, self.mlp, self.ln_1, self.ln_2
+        c_attn, c_proj, c_fc, mlp_proj = attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+        batch, seq_len, width = hidden_states.shape
+        rows, threads, eps = batch * seq_len, torch.get_num_threads(), ln_1.eps
+        h = hidden_states.contiguous()
+        qkv = h.new_empty(batch, seq_len, 3 * width)
+        norm = (ln_1.weight.data_ptr(), ln_1.bias.data_ptr()) if self.pre_norm else (None, None)
+        status = library.hfgpt_int8_norm_linear(
+            h.data_ptr(), rows, width, *norm, eps, *_kernel_layer(c_attn, out=True), qkv.data_ptr(), threads
+        )
+        if status == 0:
+            output, _ = attn.attend(qkv, attention_mask, past_key_values, **kwargs)
+            output = output.reshape(rows, width).contiguous()  # (B*T, E)
+            out = torch.empty_like(h)
+            status = library.hfgpt_int8_block_tail(
+                output.data_ptr(), h.data_ptr(), out.data_ptr(), rows, width, int(self.pre_norm),
+                ln_1.weight.data_ptr(), ln_1.bias.data_ptr(), ln_2.weight.data_ptr(), ln_2.bias.data_ptr(), eps,
+                *_kernel_layer(c_proj), *_kernel_layer(c_fc, out=True), *_kernel_layer(mlp_proj), threads,
+            )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"Int8Block: no memory for the scratch of a {tuple(hidden_states.shape)} input")
+        return out
+
+
+def _kernel_layer(layer: Int8Linear, out: bool = False) -> tuple[int | None, ...]:
+    """An `Int8Linear`'s arguments to the block kernels: packed weight, (outputs,) padded inputs, scales,
+    bias."""
+    buffers = layer._buffers
+    bias = buffers["bias"]
+    sizes = (layer.out_features, layer.packed_in) if out else (layer.packed_in,)
+    return (
+        buffers["packed"].data_ptr(),
+        *sizes,
+        buffers["scale"].data_ptr(),
+        None if bias is None else bias.data_ptr(),
+    )
+
+
 def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:
     """Replace, in place, each submodule for which `convert` returns a module."""
     for module in list(model.modules()):
@@ -230,6 +353,7 @@ def _to_int8(model: nn.Module) -> None:
         return None
 
     _replace_layers(model, convert)
+    _replace_layers(model, lambda child: Int8Block.of(child) if type(child) is GPTBlock else None)
 
 
 def _conv1d_to_linear(model: nn.Module, cls: type[nn.Linear] = nn.Linear) -> None:

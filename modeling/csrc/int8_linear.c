@@ -194,30 +194,209 @@ void hfgpt_int8_quantize_rows(const float *x, int64_t rows, int64_t ldx, int64_t
         quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * (inp / BLOCK), qsum + r * (inp / BLOCK));
 }
 
+/* Scratch for the int8 copies of `rows` rows of up to `inp` inputs. */
+typedef struct {
+    int8_t *xq;
+    float *sx;
+    int32_t *qsum;
+} scratch_t;
+
+static int scratch_alloc(scratch_t *sc, int64_t rows, int64_t inp)
+{
+    sc->xq = (int8_t *)malloc((size_t)(rows * inp));
+    sc->sx = (float *)malloc(sizeof(float) * (size_t)(rows * (inp / BLOCK)));
+    sc->qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (inp / BLOCK)));
+    return sc->xq && sc->sx && sc->qsum;
+}
+
+static void scratch_free(scratch_t *sc) { free(sc->xq), free(sc->sx), free(sc->qsum); }
+
+/* One product, called by every thread of a parallel region (or outside one, by one thread): the rows'
+ * int8 copies, then the tiles of outputs; each `omp for` ends on a barrier, so the phases stay in order. */
+static void product(const float *x, int64_t rows, int64_t ldx, int64_t in, const uint8_t *w, int64_t out,
+                    int64_t inp, const float *scale, const float *bias, float *y, int64_t ldy, const scratch_t *sc)
+{
+    const int64_t nb = inp / BLOCK, tiles = (out + TILE - 1) / TILE, tile_bytes = (inp / 4) * TILE * 4;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, in, inp, sc->xq + r * inp, sc->sx + r * nb, sc->qsum + r * nb);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        tile_rows(sc->xq, sc->sx, sc->qsum, rows, inp, w + t * tile_bytes, scale, bias, y, ldy, t * TILE, out);
+}
+
 /* y[r * ldy + o] for r < rows, o < out. Returns 0, or 1 where scratch memory could not be allocated. */
 int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, const uint8_t *w, int64_t out,
                       int64_t inp, const float *scale, const float *bias, float *y, int64_t ldy, int threads)
 {
     if (rows <= 0 || out <= 0) return 0;
-    const int64_t nb = inp / BLOCK;
-    int8_t *xq = (int8_t *)malloc((size_t)(rows * inp));
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
-    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * nb));
-    if (!xq || !sx || !qsum) {
-        free(xq), free(sx), free(qsum);
+    scratch_t sc;
+    if (!scratch_alloc(&sc, rows, inp)) {
+        scratch_free(&sc);
         return 1;
     }
-    const int64_t tiles = (out + TILE - 1) / TILE;
-    const int64_t tile_bytes = (inp / 4) * TILE * 4;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    product(x, rows, ldx, in, w, out, inp, scale, bias, y, ldy, &sc);
+    scratch_free(&sc);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * A whole transformer block of an int8 decoding copy in two calls around its attention (`Int8Block` in
+ * quantization.py), for any number of rows (B*T), GPT-2's pre-norm or GPT-1's post-norm order:
+ *   hfgpt_int8_norm_linear  qkv = W_qkv LN1(h) + b  (pre-norm; post-norm: W_qkv h + b)
+ *   (the attention, in torch's or hfgpt's attention kernel, on the cached keys and values)
+ *   hfgpt_int8_block_tail   pre-norm:  h1 = h + P(a);       out = h1 + M(LN2(h1))
+ *                           post-norm: h1 = LN1(h + P(a));  out = LN2(h1 + M(h1))
+ *                           M(x) = W_proj gelu(W_fc x + b_fc) + b_proj, P(a) = W_o a + b_o
+ * The products are `product`'s, the residual sums plain float sums, as in the unfused block; the layer
+ * norms and the tanh GELU are computed here (vector_math.h's GELU, as gelu.c), and so differ from torch's
+ * by float rounding, which the int8 copy of the next product can turn into one step of 127 in a block
+ * of 64 inputs now and then. One parallel region a call instead of ~20 torch ops a block: GPT-2's
+ * int8 decoding steps spent ~160 us a block outside the products.
+ */
+#if VECTORIZED && defined(__AVX512VL__)
+#include "vector_math.h"
+#define FUSED 1
+
+/* Layer norm of one row, with torch's biased variance: two passes (mean, then the squared deviations) in
+ * 16 float lanes each. */
+static void layer_norm_row(const float *x, int64_t n, const float *w, const float *b, float eps, float *y)
+{
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(first(n - i), x + i));
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / (float)n);
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first(n - i);
+        const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, x + i), mean);
+        squares = _mm512_fmadd_ps(d, d, squares);
+    }
+    const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first(n - i);
+        const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mean), rstd);
+        _mm512_mask_storeu_ps(y + i, m,
+                              _mm512_fmadd_ps(d, _mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, b + i)));
+    }
+}
+
+/* Inside a parallel region, row by row: y = LN(a + c), the sum kept in `sum`; c NULL: y = LN(a); w NULL:
+ * y = a + c. */
+static void add_norm(const float *a, const float *c, int64_t rows, int64_t n, const float *w, const float *b,
+                     float eps, float *y, float *sum)
+{
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = a + r * n;
+        if (c) {
+            float *target = w ? sum + r * n : y + r * n;
+            for (int64_t i = 0; i < n; i++) target[i] = row[i] + c[r * n + i];
+            row = target;
+        }
+        if (w) layer_norm_row(row, n, w, b, eps, y + r * n);
+    }
+}
+
+static void gelu_rows(float *x, int64_t count)
+{
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 m = first(count - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        __m512 s, es, dv;
+        sigmoid_parts(v, &s, &es, &dv);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(v, s));
+    }
+}
+#else
+#define FUSED 0
+#endif
+
+int hfgpt_int8_fused_available(void) { return FUSED; }
+
+/* An int8 layer: packed weight, outputs, padded inputs, per-channel scales, bias (or NULL). */
+typedef struct {
+    const uint8_t *w;
+    int64_t out, inp;
+    const float *scale, *bias;
+} int8_layer_t;
+
+/* y = W LN(x) + b, or W x + b where ln_w is NULL. Returns 0, 1 (no memory) or 3 (not built here). */
+int hfgpt_int8_norm_linear(const float *x, int64_t rows, int64_t in, const float *ln_w, const float *ln_b,
+                           float eps, const uint8_t *w, int64_t out, int64_t inp, const float *scale,
+                           const float *bias, float *y, int threads)
+{
+#if FUSED
+    if (rows <= 0 || out <= 0) return 0;
+    scratch_t sc;
+    float *normed = ln_w ? (float *)malloc(sizeof(float) * (size_t)(rows * in)) : NULL;
+    if (!scratch_alloc(&sc, rows, inp) || (ln_w && !normed)) {
+        scratch_free(&sc), free(normed);
+        return 1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            quantize_row(x + r * ldx, in, inp, xq + r * inp, sx + r * nb, qsum + r * nb);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            tile_rows(xq, sx, qsum, rows, inp, w + t * tile_bytes, scale, bias, y, ldy, t * TILE, out);
+        if (ln_w) add_norm(x, NULL, rows, in, ln_w, ln_b, eps, normed, NULL);
+        product(ln_w ? normed : x, rows, in, in, w, out, inp, scale, bias, y, out, &sc);
     }
-    free(xq), free(sx), free(qsum);
+    scratch_free(&sc), free(normed);
     return 0;
+#else
+    (void)x, (void)rows, (void)in, (void)ln_w, (void)ln_b, (void)eps, (void)w, (void)out, (void)inp;
+    (void)scale, (void)bias, (void)y, (void)threads;
+    return 3;
+#endif
+}
+
+/* The block after its attention output `attn` ([rows, n]), from the block's input `h`, into `y` (see
+ * above): the attention's output projection (n x n), the MLP's input (inner x n) and output (n x inner)
+ * products, each as packed weight, padded inputs, scales and bias. Returns 0, 1 (no memory) or 3 (not
+ * built here). */
+int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t rows, int64_t n, int pre_norm,
+                          const float *ln1_w, const float *ln1_b, const float *ln2_w, const float *ln2_b, float eps,
+                          const uint8_t *proj_w, int64_t proj_inp, const float *proj_scale, const float *proj_bias,
+                          const uint8_t *fc_w, int64_t inner, int64_t fc_inp, const float *fc_scale,
+                          const float *fc_bias, const uint8_t *mproj_w, int64_t mproj_inp, const float *mproj_scale,
+                          const float *mproj_bias, int threads)
+{
+#if FUSED
+    if (rows <= 0) return 0;
+    const int8_layer_t proj = {proj_w, n, proj_inp, proj_scale, proj_bias};
+    const int8_layer_t fc = {fc_w, inner, fc_inp, fc_scale, fc_bias};
+    const int8_layer_t mproj = {mproj_w, n, mproj_inp, mproj_scale, mproj_bias};
+    const int64_t widest = fc.inp > mproj.inp ? fc.inp : mproj.inp;
+    scratch_t sc;
+    float *work = (float *)malloc(sizeof(float) * (size_t)(rows * (4 * n + inner)));
+    if (!scratch_alloc(&sc, rows, widest) || !work) {
+        scratch_free(&sc), free(work);
+        return 1;
+    }
+    float *t = work, *h1 = t + rows * n, *x2 = h1 + rows * n, *sum = x2 + rows * n, *act = sum + rows * n;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        product(attn, rows, n, n, proj.w, proj.out, proj.inp, proj.scale, proj.bias, t, n, &sc);
+        if (pre_norm) {
+            add_norm(h, t, rows, n, NULL, NULL, eps, h1, NULL);        /* h1 = h + P(a) (barrier: omp for) */
+            add_norm(h1, NULL, rows, n, ln2_w, ln2_b, eps, x2, NULL); /* x2 = LN2(h1) */
+        } else {
+            add_norm(h, t, rows, n, ln1_w, ln1_b, eps, h1, sum); /* h1 = LN1(h + P(a)) */
+        }
+        product(pre_norm ? x2 : h1, rows, n, n, fc.w, fc.out, fc.inp, fc.scale, fc.bias, act, inner, &sc);
+        gelu_rows(act, rows * inner);
+        product(act, rows, inner, inner, mproj.w, mproj.out, mproj.inp, mproj.scale, mproj.bias, t, n, &sc);
+        if (pre_norm)
+            add_norm(h1, t, rows, n, NULL, NULL, eps, y, NULL); /* y = h1 + M(x2) */
+        else
+            add_norm(h1, t, rows, n, ln2_w, ln2_b, eps, y, sum); /* y = LN2(h1 + M(h1)) */
+    }
+    scratch_free(&sc), free(work);
+    return 0;
+#else
+    (void)attn, (void)h, (void)y, (void)rows, (void)n, (void)pre_norm, (void)ln1_w, (void)ln1_b, (void)ln2_w;
+    (void)ln2_b, (void)eps, (void)proj_w, (void)proj_inp, (void)proj_scale, (void)proj_bias, (void)fc_w;
+    (void)inner, (void)fc_inp, (void)fc_scale, (void)fc_bias, (void)mproj_w, (void)mproj_inp, (void)mproj_scale;
+    (void)mproj_bias, (void)threads;
+    return 3;
+#endif
 }
