@@ -54,6 +54,7 @@ from .ops_hfgpt import (
     banded_attention_applies,
     cpu_banded_attention,
     cpu_dropout_attention,
+    decode_step_attention,
     dropout,
     fast_dropout_applies,
     gelu_tanh,
@@ -202,12 +203,17 @@ class GPTAttention(nn.Module):
         """The attention between c_attn and c_proj: the new keys and values into the cache, then the
         backend's attention. Returns the (B, T, H, D) output, in the queries' dtype, and the weights."""
         batch, seq_len, _ = qkv.shape
+        implementation = self.config._attn_implementation
+        if seq_len == 1 and past_key_values is not None and implementation == "sdpa" and not self.training:
+            # A decoding step: the cache write and the attention in one call of the C kernel, where it applies.
+            output = decode_step_attention(self, qkv, past_key_values, attention_mask)
+            if output is not None:
+                return output, None
         qkv = qkv.view(batch, seq_len, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
         if past_key_values is not None:
             key, value = append_to_cache(past_key_values, key, value, self.layer_idx)
 
-        implementation = self.config._attn_implementation
         attention_interface = None
         if implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
             if fast_dropout_applies(query, self.attn_dropout, self.training):

@@ -917,6 +917,78 @@ def native_decode_attention(
     return output, None
 
 
+def decode_step_attention(
+    module: nn.Module, qkv: torch.Tensor, cache: Any, attention_mask: Any
+) -> torch.Tensor | None:
+    """One decoding step's attention straight from c_attn's output `qkv` (B, 1, 3E), for a `DynamicCache`
+    layer whose keys and values are still the buffer views `append_to_cache` set: one call of the C kernel
+    (`hfgpt_attention_decode_step`) writes each head's new key and value into the buffers' next position
+    and attends to them, as `append_to_cache` then `native_decode_attention` would (the same arithmetic,
+    the same values), without the ~90 us of torch ops and checks a layer those take in `generate()`.
+    Returns the (B, 1, H, D) output with the layer's keys and values extended by one position, or None,
+    having changed nothing, wherever it does not apply: anything but float32 heads of 64 on the CPU
+    outside autocast and compilation, one new position, no gradient, a cache or layer `append_to_cache`
+    would not extend in place or whose buffers are full, or a mask `native_decode_attention` cannot read."""
+    batch, new, width = qkv.shape
+    heads = module.num_heads
+    if (
+        new != 1
+        or module.head_dim != NATIVE_HEAD_SIZE
+        or type(cache) is not DynamicCache
+        or cache.offloading
+        or qkv.dtype != torch.float32
+        or not qkv.is_cpu
+        or not qkv.is_contiguous()
+        or (qkv.requires_grad and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+        or torch.is_autocast_enabled("cpu")
+    ):
+        return None
+    layers, index = cache.layers, module.layer_idx
+    layer = layers[index] if index < len(layers) else None
+    if type(layer) is not DynamicLayer:
+        return None
+    state = layer.__dict__
+    views, buffers = state.get("_hfgpt_views"), state.get("_hfgpt_buffers")
+    if views is None or buffers is None or layer.keys is not views[0] or layer.values is not views[1]:
+        return None
+    keys, values = buffers
+    length = views[0].shape[-2]
+    if (
+        length >= keys.shape[-2]
+        or keys.shape[:2] != (batch, heads)
+        or keys.shape[3] != NATIVE_HEAD_SIZE
+        or values.shape != keys.shape
+        or keys.stride(3) != 1
+        or values.stride(3) != 1
+        or keys.dtype != torch.float32
+        or values.dtype != torch.float32
+        or (keys.is_inference() and not torch.is_inference_mode_enabled())
+        or (attention_mask is not None and not _decode_key_mask(attention_mask, batch, length + 1))
+    ):
+        return None
+    library = _attention_kernel()
+    masks = () if attention_mask is None else (attention_mask,)
+    if library is None or not native.dispatch_modes_allow() or not native.plain_tensors(qkv, *masks):
+        return None
+    output = qkv.new_empty(batch, 1, heads, NATIVE_HEAD_SIZE)
+    mask, mask_stride = None, 0
+    if attention_mask is not None:
+        mask = attention_mask.data_ptr()
+        mask_stride = attention_mask.stride(0) if attention_mask.shape[0] > 1 else 0
+    status = library.hfgpt_attention_decode_step(
+        qkv.data_ptr(), keys.data_ptr(), values.data_ptr(), output.data_ptr(), mask, mask_stride, batch, heads,
+        length, *keys.stride()[:3], *values.stride()[:3], module.scaling, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        _kernel_failed(status, length + 1)
+    layer.keys, layer.values = state["_hfgpt_views"] = (
+        keys.narrow(2, 0, length + 1),
+        values.narrow(2, 0, length + 1),
+    )
+    return output
+
+
 # Spare positions a `DynamicCache` layer's buffers get when `append_to_cache` grows them: a quarter of the
 # length needed, at least `CACHE_GROWTH_MIN`, rounded up to a multiple of it.
 CACHE_GROWTH_MIN = 64
