@@ -907,22 +907,10 @@ def format_table(report: dict[str, Any]) -> str:
             else "."
         ),
         f"Measured fp32 matmul rate: {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
-        + (
-            " (best of "
-            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw["fp32_matmul_flops_per_s_by_kernel"].items())
-            + ")"
-            if hw.get("fp32_matmul_flops_per_s_by_kernel")
-            else ""
-        )
+        + _best_of(hw.get("fp32_matmul_flops_per_s_by_kernel"), "{} {:.0f}")
         + "; memory read rate: "
         f"{hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
-        + (
-            " (best of "
-            + ", ".join(f"{k} pages {v / 1e9:.1f}" for k, v in hw["read_bytes_per_s_by_pages"].items())
-            + ")"
-            if hw.get("read_bytes_per_s_by_pages")
-            else ""
-        )
+        + _best_of(hw.get("read_bytes_per_s_by_pages"), "{} pages {:.1f}")
         + (
             f"; bf16 matmul rate {hw['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s."
             if "bf16_matmul_flops_per_s" in hw
@@ -965,6 +953,14 @@ def format_table(report: dict[str, Any]) -> str:
         "peak (<1 = hfgpt smaller). Cells: median rate (min-max over runs)."
     )
     return "\n".join(lines)
+
+
+def _best_of(by: dict[str, float] | None, cell: str) -> str:
+    """The table's suffix naming the rates a headline figure is the best of, e.g. ` (best of torch.mm 199,
+    onednn 219)`; empty where there are none."""
+    if not by:
+        return ""
+    return " (best of " + ", ".join(cell.format(name, rate / 1e9) for name, rate in by.items()) + ")"
 
 
 def _same_minutes(extra: dict, key: str) -> str:

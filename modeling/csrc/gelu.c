@@ -27,10 +27,7 @@ int hfgpt_gelu_forward(const float *x, float *y, int64_t n, int threads)
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= PARALLEL_FROM)
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = first(n - i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        __m512 s, es, dv;
-        sigmoid_parts(v, &s, &es, &dv);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, s));
+        _mm512_mask_storeu_ps(y + i, m, gelu_ps(_mm512_maskz_loadu_ps(m, x + i)));
     }
     return 0;
 }

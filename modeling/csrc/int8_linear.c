@@ -303,10 +303,7 @@ static void gelu_rows(float *x, int64_t count)
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; i += 16) {
         const __mmask16 m = first(count - i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        __m512 s, es, dv;
-        sigmoid_parts(v, &s, &es, &dv);
-        _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(v, s));
+        _mm512_mask_storeu_ps(x + i, m, gelu_ps(_mm512_maskz_loadu_ps(m, x + i)));
     }
 }
 #else

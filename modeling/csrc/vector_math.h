@@ -53,4 +53,13 @@ static inline void sigmoid_parts(__m512 x, __m512 *s, __m512 *es, __m512 *dv)
                         _mm512_fmadd_ps(x2, _mm512_set1_ps(3.0f * CUBIC), one));
 }
 
+
+/* The tanh GELU of 16 values (gelu.c's forward, int8_linear.c's decoding block). */
+static inline __m512 gelu_ps(__m512 x)
+{
+    __m512 s, es, dv;
+    sigmoid_parts(x, &s, &es, &dv);
+    return _mm512_mul_ps(x, s);
+}
+
 #endif
