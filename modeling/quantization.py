@@ -219,7 +219,7 @@ class Int8Block(GPTBlock):
     ln_2, the MLP; GPT-1's post-norms too), instead of ~20 torch ops and module calls a block. GPT-2's int8
     decoding steps spent ~160 us a block outside the products that way. The products are the same as
     `Int8Linear`'s; the layer norms and the GELU are the kernel's own, which agree with torch's to float
-    rounding (tests/test_quantization.py measures what that does to the logits)."""
+    rounding (tests/test_int8_block.py measures what that does to the logits)."""
 
     @classmethod
     def of(cls, block: GPTBlock) -> "Int8Block":
@@ -228,7 +228,7 @@ class Int8Block(GPTBlock):
             new = cls(block.attn.config, block.attn.layer_idx)
         for name, child in block.named_children():
             setattr(new, name, child)
-        new.train(block.training)
+        new.training = block.training  # (the children keep their own modes)
         return new
 
     def fused_library(self, hidden_states: torch.Tensor) -> ctypes.CDLL | None:
@@ -434,7 +434,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       output channel, activations quantised at run time with one scale per 64 inputs, products in
       hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
       of the same arithmetic). The LM head, tied to `wte`, gets its own int8 copy while the embedding
-      lookup stays float32.
+      lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
+      attention wherever nothing (a hook, training, gradients) needs the block's modules called.
     - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
       products through oneDNN's linear op). For one row, the CPU's bfloat16 kernels read an `[out, in]`
       weight ~1.6x faster than Conv1D's `[in, out]` (768 x 3072: 159-174 vs 251-271 us, weights not in
