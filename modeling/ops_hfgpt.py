@@ -882,6 +882,14 @@ def _decode_key_mask(mask: Any, batch: int, keys: int) -> bool:
     )
 
 
+def _key_mask_rows(mask: torch.Tensor | None) -> tuple[int | None, int]:
+    """A `_decode_key_mask` (or None) as the decoding kernels take it: its data pointer, and the stride
+    between batch entries' rows (0 where one row serves every entry)."""
+    if mask is None:
+        return None, 0
+    return mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0
+
+
 def native_decode_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -903,12 +911,9 @@ def native_decode_attention(
     B=1 and ~520 us at B=8 here)."""
     batch, heads, _, dim = query.shape
     output = query.new_empty(batch, 1, heads, dim)
-    mask, mask_stride = None, 0
-    if attention_mask is not None:
-        mask = attention_mask.data_ptr()
-        mask_stride = attention_mask.stride(0) if attention_mask.shape[0] > 1 else 0
     status = _attention_kernel().hfgpt_attention_decode(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), mask, mask_stride, batch, heads,
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), *_key_mask_rows(attention_mask),
+        batch, heads,
         key.shape[-2], _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)),
         scaling, torch.get_num_threads(),
     )  # fmt: skip
@@ -934,19 +939,15 @@ def decode_step_attention(
     if (
         new != 1
         or module.head_dim != NATIVE_HEAD_SIZE
-        or type(cache) is not DynamicCache
-        or cache.offloading
         or qkv.dtype != torch.float32
         or not qkv.is_cpu
         or not qkv.is_contiguous()
         or (qkv.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
         or torch.is_autocast_enabled("cpu")
     ):
         return None
-    layers, index = cache.layers, module.layer_idx
-    layer = layers[index] if index < len(layers) else None
-    if type(layer) is not DynamicLayer:
+    layer = _plain_dynamic_layer(cache, module.layer_idx)
+    if layer is None:
         return None
     state = layer.__dict__
     views, buffers = state.get("_hfgpt_views"), state.get("_hfgpt_buffers")
@@ -972,12 +973,9 @@ def decode_step_attention(
     if library is None or not native.dispatch_modes_allow() or not native.plain_tensors(qkv, *masks):
         return None
     output = qkv.new_empty(batch, 1, heads, NATIVE_HEAD_SIZE)
-    mask, mask_stride = None, 0
-    if attention_mask is not None:
-        mask = attention_mask.data_ptr()
-        mask_stride = attention_mask.stride(0) if attention_mask.shape[0] > 1 else 0
     status = library.hfgpt_attention_decode_step(
-        qkv.data_ptr(), keys.data_ptr(), values.data_ptr(), output.data_ptr(), mask, mask_stride, batch, heads,
+        qkv.data_ptr(), keys.data_ptr(), values.data_ptr(), output.data_ptr(), *_key_mask_rows(attention_mask),
+        batch, heads,
         length, *keys.stride()[:3], *values.stride()[:3], module.scaling, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
@@ -1014,17 +1012,9 @@ def append_to_cache(
     difference from `torch.cat`: a tensor taken from `layer.keys` earlier shows the new values if the
     cache is cropped and appended to again, as a `StaticCache`'s would.
     """
-    layers = getattr(cache, "layers", ())
-    if (
-        type(cache) is not DynamicCache
-        or cache.offloading
-        or layer_idx >= len(layers)
-        or type(layers[layer_idx]) is not DynamicLayer
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad))
-    ):
+    layer = _plain_dynamic_layer(cache, layer_idx)
+    if layer is None or (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
         return cache.update(key, value, layer_idx)
-    layer = layers[layer_idx]
     batch, heads, new, dim = key.shape
     length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.numel() else 0
     state = layer.__dict__
@@ -1062,6 +1052,22 @@ def append_to_cache(
     )
     state["_hfgpt_views"] = views
     return views
+
+
+def _plain_dynamic_layer(cache: Any, layer_idx: int) -> DynamicLayer | None:
+    """Layer `layer_idx` of a plain `DynamicCache` (not offloading) where it is a plain `DynamicLayer` and
+    nothing is being compiled: the layers `append_to_cache` and `decode_step_attention` write into
+    buffers of their own; else None."""
+    layers = getattr(cache, "layers", ())
+    if (
+        type(cache) is not DynamicCache
+        or cache.offloading
+        or layer_idx >= len(layers)
+        or type(layers[layer_idx]) is not DynamicLayer
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return layers[layer_idx]
 
 
 def _views_of(buffers: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -16,7 +16,6 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers.pytorch_utils import Conv1D
 
 from . import native
@@ -27,6 +26,7 @@ from .ops_hfgpt import (
     fast_product_applies,
     few_rows_product,
     gelu_tanh,
+    has_forward_hooks,
     needs_grad,
     onednn_mm,
     onednn_runs_here,
@@ -231,16 +231,22 @@ class Int8Block(GPTBlock):
         new.training = block.training  # (the children keep their own modes)
         return new
 
+    def _parts(self) -> tuple[nn.Module, ...]:
+        """attn, mlp, ln_1, ln_2, c_attn, attn's c_proj, c_fc, mlp's c_proj, from the modules' own
+        dictionaries (`nn.Module.__getattr__` costs ~0.7 us a lookup, on every block of every step)."""
+        modules = self._modules
+        attn, mlp = modules["attn"], modules["mlp"]
+        return (
+            attn, mlp, modules["ln_1"], modules["ln_2"],
+            attn._modules["c_attn"], attn._modules["c_proj"], mlp._modules["c_fc"], mlp._modules["c_proj"],
+        )  # fmt: skip
+
     def fused_library(self, hidden_states: torch.Tensor) -> ctypes.CDLL | None:
         """The int8 kernel library where the fused path computes what `GPTBlock.forward` would: inference
         (no module training, no gradient needed), float32 CPU hidden states outside autocast and
         compilation, int8 layers throughout, affine layer norms of one epsilon, the tanh GELU, and no hook
-        on a module the fused path would not call; else None. (~5 us: it runs on every block of every
-        decoding step, so it reads the modules' own dictionaries.)"""
-        modules = self._modules
-        attn, mlp, ln_1, ln_2 = modules["attn"], modules["mlp"], modules["ln_1"], modules["ln_2"]
-        c_attn, c_proj = attn._modules["c_attn"], attn._modules["c_proj"]
-        c_fc, mlp_proj = mlp._modules["c_fc"], mlp._modules["c_proj"]
+        on a module the fused path would not call; else None."""
+        attn, mlp, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = parts = self._parts()
         norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
         width = hidden_states.shape[-1]
         if (
@@ -267,13 +273,9 @@ class Int8Block(GPTBlock):
             or torch.is_autocast_enabled("cpu")
             or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
-            or _global_forward_hooks
-            or _global_forward_pre_hooks
+            or any(has_forward_hooks(module) for module in parts)  # code the fused path would not run
         ):
             return None
-        for module in (attn, c_attn, c_proj, mlp, c_fc, mlp_proj, ln_1, ln_2):
-            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
-                return None  # (as `has_forward_hooks`: code that the fused path would not run)
         library = native.kernel("int8_linear")
         if (
             library is None
@@ -294,8 +296,7 @@ class Int8Block(GPTBlock):
         library = self.fused_library(hidden_states)
         if library is None:
             return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
-        attn, mlp, ln_1, ln_2 = self.attn, self.mlp, self.ln_1, self.ln_2
-        c_attn, c_proj, c_fc, mlp_proj = attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+        attn, _, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = self._parts()
         batch, seq_len, width = hidden_states.shape
         rows, threads, eps = batch * seq_len, torch.get_num_threads(), ln_1.eps
         h = hidden_states.contiguous()
