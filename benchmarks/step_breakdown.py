@@ -10,8 +10,8 @@ contender runs a few plain steps first (timed without instrumentation), then ste
 `TorchDispatchMode` that times every op torch dispatches and counts the minor page faults (first touches
 of fresh memory) during it. An op's time includes what it runs inside C++ (oneDNN's linear op copies a
 transposed input itself: that copy is part of the product here); hfgpt's C kernels (attention, the
-GELU, dropout's keep masks), called through ctypes, are timed as ops of their own ("hfgpt C kernel
-..."). Matrix products (oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with
+GELU, dropout's keep masks, the LM loss's log-sum-exp and softmax gradient), called through ctypes, are
+timed as ops of their own ("hfgpt C kernel ..."). Matrix products (oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with
 their FLOPs from the shapes, so their own rate can be set beside the rest of the step. The mode costs a few microseconds an op, so its step total runs a
 little above the plain step time; compare the two contenders, and the shares, not absolute times with
 other runs (this machine's speed drifts by +-20%).
@@ -95,7 +95,7 @@ class OpTimer(TorchDispatchMode):
 
 class _TimedLibrary:
     """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C kernels
-    (attention, GELU, dropout's keep masks) are called through ctypes, where no dispatch mode sees them."""
+    (attention, GELU, dropout's keep masks, the LM loss) are called through ctypes, where no dispatch mode sees them."""
 
     def __init__(self, library: Any, timer: OpTimer) -> None:
         self._library, self._timer = library, timer
@@ -116,11 +116,11 @@ class _TimedLibrary:
 
 
 # ops_hfgpt's functions that return a C kernel library (or None): wrapped so that the kernels' calls are timed
-NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel", "_gelu_kernel")
+NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel", "_gelu_kernel", "_loss_kernel")
 
 
-def _timed_kernel(getter: Callable[[], Any], timer: OpTimer) -> Any:
-    library = getter()
+def _timed_kernel(getter: Callable[..., Any], timer: OpTimer, *args: Any) -> Any:
+    library = getter(*args)
     return None if library is None else _TimedLibrary(library, timer)
 
 

@@ -103,6 +103,16 @@ SIGNATURES = {
         # x, grad y, grad x, n, threads
         "hfgpt_gelu_backward": (ctypes.c_int, [_P, _P, _P, _I64, ctypes.c_int]),
     },
+    "loss": {
+        "hfgpt_loss_vectorized": (ctypes.c_int, []),
+        # part, its row stride, out, its row stride, rows, cols, peak, total, threads
+        "hfgpt_lse_block": (ctypes.c_int, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, ctypes.c_int]),
+        # logits, their row stride, lse, scale, targets, start, rows, cols, grad, its row stride, threads
+        "hfgpt_softmax_grad": (
+            ctypes.c_int,
+            [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, ctypes.c_int],
+        ),
+    },
     "dropout": {
         # keep, n, seed, threshold, threads
         "hfgpt_keep_mask": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]),

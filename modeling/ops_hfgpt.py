@@ -11,8 +11,9 @@ each function names the plain expression it stands for, and the tests hold the t
   against the cache, with or without a key mask, on the same kernel (`native_decode_attention`).
 - Appends to transformers' `DynamicCache` without copying it (`append_to_cache`).
 - The LM head and its loss without a full vocabulary-wide gradient (`project_to_vocab`,
-  `lm_logits_and_loss`, `_LinearCrossEntropy`), and its gradient shared with the tied embeddings
-  (`TiedHeadGradient`, `_TiedEmbedding`).
+  `lm_logits_and_loss`, `_LinearCrossEntropy`), its log-sum-exp and softmax gradient on hfgpt's C kernel
+  where it is built (`onednn_logits_and_lse`, `_loss_kernel`), and its gradient shared with the tied
+  embeddings (`TiedHeadGradient`, `_TiedEmbedding`).
 
 Where each is chosen, and what it measured, is in its docstring and in benchmarks/RESULTS.md. Like its
 siblings, this file imports only torch and transformers (and, where present, hfgpt's `native` module of C
@@ -1336,8 +1337,27 @@ def onednn_logits_and_lse(
     product writes a fresh 206 MB for GPT-2 at 1,024 rows, faulted in page by page; and `log_sum_exp`
     then reads all of it again. Float32 training steps (B=4x256) alternated in one process with the
     single product and `log_sum_exp`, paired medians of 8 pairs: GPT-2 124M 0.28 s less a step (7 of 8
-    faster), GPT-1 0.15 and 0.20 s less (6 and 8 of 8) in two runs (benchmarks/RESULTS.md)."""
+    faster), GPT-1 0.15 and 0.20 s less (6 and 8 of 8) in two runs (benchmarks/RESULTS.md).
+
+    Each block's copy into `out` and its sum run as one pass over each row on hfgpt's C kernel
+    (csrc/loss.c, `_loss_kernel`) where it is built, the running sum kept in float64; torch's copy,
+    amax, subtraction, exp and sum otherwise. 1,024 rows, the head and its log-sum-exp beyond the
+    products alone: GPT-1 14 against 42 ms, GPT-2 27 against 54 ms here."""
     rows = hidden.shape[0]
+    library = _loss_kernel(hidden, weight, out)
+    if library is not None:  # csrc/loss.c: the same arithmetic, one pass over each row of a block
+        peak = hidden.new_full((rows,), float("-inf"))
+        total = hidden.new_zeros(rows, dtype=torch.float64)
+        for start, stop, block in weight_blocks(weight, hidden.dtype, LOGIT_BLOCK_COLUMNS):
+            part = onednn_mm(hidden, block).contiguous()
+            status = library.hfgpt_lse_block(
+                part.data_ptr(), stop - start, out[:, start:stop].data_ptr(), out.stride(0), rows,
+                stop - start, peak.data_ptr(), total.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"loss kernel: refused a ({rows}, {stop - start}) block (status {status})")
+        shift = peak.masked_fill_(~peak.isfinite(), 0.0)
+        return out, total.log_().add_(shift).float()
     peak = hidden.new_full((rows, 1), float("-inf"))  # the running maximum
     shift = hidden.new_zeros(rows, 1)  # the same where finite, else 0: what the sums are taken against
     total = hidden.new_zeros(rows, 1)  # sum of exp(logit - shift) so far
@@ -1346,9 +1366,23 @@ def onednn_logits_and_lse(
         out[:, start:stop] = part
         peak = torch.maximum(peak, part.amax(dim=1, keepdim=True))
         new_shift = peak.masked_fill(~peak.isfinite(), 0.0)
-        total.mul_((shift - new_shift).exp_()).add_(part.sub_(new_shift).exp_().sum(dim=1, keepdim=True))
+        # (a total of 0, only -inf so far, stays 0 where the factor overflows: a first finite block below -88)
+        total.mul_((shift - new_shift).exp_().masked_fill_(total == 0, 0.0))
+        total.add_(part.sub_(new_shift).exp_().sum(dim=1, keepdim=True))
         shift = new_shift
     return out, total.log_().add_(shift).squeeze(1)
+
+
+def _loss_kernel(*tensors: torch.Tensor) -> Any:
+    """csrc/loss.c's library where it may read and write these tensors (of the dtypes its callers check):
+    CPU tensors whose rows are contiguous, where the library is built with AVX-512 (`native.kernel("loss")`),
+    outside dispatch modes that cannot see it; else None, and callers run torch's ops."""
+    if native is None or not all(t.stride(-1) == 1 for t in tensors):
+        return None
+    if not (eager_on_cpu(tensors[0]) and native.dispatch_modes_allow() and native.plain_tensors(*tensors)):
+        return None
+    library = native.kernel("loss")
+    return library if library is not None and library.hfgpt_loss_vectorized() else None
 
 
 def _storage_holders(tensor: torch.Tensor) -> int | None:
@@ -1476,7 +1510,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     `lm_logits_and_loss` and `weighted_lm_loss`.
 
     Backward forms softmax - onehot a slice of the vocabulary at a time (~16 MB) and feeds each slice
-    straight into the two head products, so the full N x V gradient never exists. Saved: the logits
+    straight into the two head products, so the full N x V gradient never exists. For float32 logits a
+    slice is one pass of hfgpt's C kernel (csrc/loss.c: GPT-1's 1,024 x 40,478 in 13-17 against 29-43 ms
+    for torch's subtraction, exp, multiplication and index_put). Saved: the logits
     (which the caller holds anyway) and one log-sum-exp per row. `F.cross_entropy` on materialised
     logits saves a log-softmax copy and builds two full N x V gradients (NLL's, then log-softmax's): for
     GPT-2's head and loss over 1024 rows, forward and backward, the peak above the start was 406-457 MB
@@ -1542,15 +1578,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
         if not float32:  # each slice's weight is cast into the workspace, which keeps its largest size
             width = min(width, CAST_BLOCK_ROWS)
-        row_ids = torch.arange(rows, device=logits.device)
+        library = None  # csrc/loss.c for float32 logits: softmax - onehot in one pass over a slice
+        if (
+            float32
+            and logits.dtype == lse.dtype == scale.dtype == torch.float32
+            and targets.dtype == torch.int64
+        ):
+            library = _loss_kernel(logits, lse, scale, targets)
+        row_ids = torch.arange(rows, device=logits.device) if library is None else None
         # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
         buffer = logits.new_empty(rows * width, dtype=torch.float32)
         low = buffer if float32 else logits.new_empty(rows * width)
         for start, stop, weight_slice in weight_blocks(weight, hidden.dtype, width):  # in the products' dtype
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
-            subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
-            hit = (targets >= start) & (targets < stop)
-            grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
+            if library is not None:
+                status = library.hfgpt_softmax_grad(
+                    logits[:, start:stop].data_ptr(), logits.stride(0), lse.data_ptr(), scale.data_ptr(),
+                    targets.data_ptr(), start, rows, stop - start, grad.data_ptr(), stop - start,
+                    torch.get_num_threads(),
+                )  # fmt: skip
+                if status != 0:
+                    raise RuntimeError(
+                        f"loss kernel: refused a ({rows}, {stop - start}) slice (status {status})"
+                    )
+            else:
+                subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
+                hit = (targets >= start) & (targets < stop)
+                grad.index_put_((row_ids[hit], targets[hit] - start), -scale[hit, 0], accumulate=True)
             if grad_logits is not None:
                 grad += grad_logits[:, start:stop]
             product = grad if float32 else low[: grad.numel()].view(grad.shape).copy_(grad)
