@@ -116,7 +116,13 @@ class _TimedLibrary:
 
 
 # ops_hfgpt's functions that return a C kernel library (or None): wrapped so that the kernels' calls are timed
-NATIVE_KERNEL_GETTERS = ("_attention_kernel", "_dropout_kernel", "_gelu_kernel", "_loss_kernel")
+NATIVE_KERNEL_GETTERS = (
+    "_attention_kernel",
+    "_dropout_kernel",
+    "_gelu_kernel",
+    "_loss_kernel",
+    "_row_product_kernel",
+)
 
 
 def _timed_kernel(getter: Callable[..., Any], timer: OpTimer, *args: Any) -> Any:

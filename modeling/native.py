@@ -113,6 +113,13 @@ SIGNATURES = {
             [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, ctypes.c_int],
         ),
     },
+    "row_product": {
+        "hfgpt_row_product_vectorized": (ctypes.c_int, []),
+        # x, w, out, in, bias, y, threads
+        "hfgpt_row_product": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
+        # x, w, in, out, bias, y, scratch, threads
+        "hfgpt_row_conv1d": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int]),
+    },
     "dropout": {
         # keep, n, seed, threshold, threads
         "hfgpt_keep_mask": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]),

@@ -3,7 +3,8 @@ each function names the plain expression it stands for, and the tests hold the t
 
 - Linear products on oneDNN (`onednn_mm`, `_OneDNNConv1D`, `use_onednn_products`), an activation applied
   inside the product (`ONEDNN_ACTIVATIONS`), weight casts into reused memory (`workspace`), one-row
-  products split between the threads (`one_row_conv1d`, `one_row_product`).
+  products split between the threads (`one_row_conv1d`, `one_row_product`), on hfgpt's C kernel where it
+  is built (`_row_product_kernel`).
 - Dropout with byte masks from a counter-based generator, in C where it is built (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
@@ -1195,11 +1196,26 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     this way against 627 and 590 us for `few_rows_product`'s two-column product on this 2-core machine,
     with the same values. Greedy decoding with the float32 copy (`quantize_for_decoding`) at batch size 1,
     interleaved in one process: GPT-2 23.5 against 27.1 ms a step, GPT-1 19.1 against 25.9 ms, the same
-    tokens (benchmarks/RESULTS.md)."""
+    tokens (benchmarks/RESULTS.md).
+
+    Where hfgpt's C kernel is built (csrc/row_product.c, `_row_product_kernel`), each thread computes the
+    dot products of its run of rows itself, as one sequential read: GPT-2's 49 weights of a step (in huge
+    pages, 497 MB) at 45-50 GB/s against 35-41 for the split `bmm` while a plain sum read 60 GB/s, and at
+    about 90% against 80% of the sum's rate on a busy host; greedy decoding with the float32 copy, GPT-2
+    B=1 alternated in one process, 17.6 against 19.1 ms a step, the same tokens."""
     parts = one_row_parts(flat, weight)
     if not parts or not weight.is_contiguous():
         return None
     out, width = weight.shape
+    library = _row_product_kernel(flat, weight)
+    if library is not None:
+        y = flat.new_empty(1, out)
+        status = library.hfgpt_row_product(
+            flat.data_ptr(), weight.data_ptr(), out, width, None, y.data_ptr(), parts
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"row product kernel: refused a {out} x {width} weight (status {status})")
+        return y
     size = out // parts
     column = flat.T.expand(parts, width, 1)  # (parts, in, 1), no copy
     sliced = torch.bmm(weight[: size * parts].view(parts, size, width), column).view(1, size * parts)
@@ -1218,20 +1234,37 @@ def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     GPT-2's 768 x 2304 / 768 x 768 / 768 x 3072 / 3072 x 768 weights out of cache, interleaved medians,
     273 / 113 / 338 / 360 us against 324 / 143 / 347 / 537 us; greedy decoding at batch size 1 in one
     process, GPT-2 21.7 against 27.5 ms a step, GPT-1 23.4 against 26.8 ms, the same tokens
-    (benchmarks/RESULTS.md). The sum runs in another order than `addmm`'s: equal to float rounding."""
+    (benchmarks/RESULTS.md). The sum runs in another order than `addmm`'s: equal to float rounding.
+
+    Where hfgpt's C kernel is built (csrc/row_product.c), it computes the same split, whatever the row
+    count, eight rows at a time into each thread's partial sums: GPT-2's 48 Conv1D weights of a step at
+    about 10-20% more GB/s than the `bmm` split (25.2 against 25.5 ms a greedy step of the whole model,
+    whose weights lie in 4 KiB pages)."""
     parts = one_row_parts(x, weight, bias)
     width, out = weight.shape
-    if (
-        not parts
-        or width % parts
-        or not weight.is_contiguous()
-        or (bias is not None and not bias.is_contiguous())
-    ):
+    if not parts or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return None
+    library = _row_product_kernel(x, weight, *([] if bias is None else [bias]))
+    if library is not None:
+        y, scratch = x.new_empty(1, out), x.new_empty(parts * out)
+        status = library.hfgpt_row_conv1d(
+            x.data_ptr(), weight.data_ptr(), width, out, None if bias is None else bias.data_ptr(),
+            y.data_ptr(), scratch.data_ptr(), parts,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"row product kernel: refused a {width} x {out} weight (status {status})")
+        return y
+    if width % parts:
         return None
     blocks = weight.view(parts, width // parts, out)  # (parts, in / parts, out)
     partial = torch.bmm(x.reshape(parts, 1, width // parts), blocks)  # (parts, 1, out)
     total = partial.sum(0)  # (1, out)
     return total if bias is None else total.add_(bias)
+
+
+def _row_product_kernel(*tensors: torch.Tensor) -> Any:
+    """csrc/row_product.c's library where it may read these tensors (`_native_library`)."""
+    return _native_library("row_product", *tensors)
 
 
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1374,15 +1407,20 @@ def onednn_logits_and_lse(
 
 
 def _loss_kernel(*tensors: torch.Tensor) -> Any:
-    """csrc/loss.c's library where it may read and write these tensors (of the dtypes its callers check):
-    CPU tensors whose rows are contiguous, where the library is built with AVX-512 (`native.kernel("loss")`),
+    """csrc/loss.c's library where it may read and write these tensors (`_native_library`)."""
+    return _native_library("loss", *tensors)
+
+
+def _native_library(name: str, *tensors: torch.Tensor) -> Any:
+    """csrc/{name}.c's library where it may read and write these tensors (of the dtypes its callers check):
+    CPU tensors whose rows are contiguous, where the library is built with AVX-512 (`native.kernel`),
     outside dispatch modes that cannot see it; else None, and callers run torch's ops."""
     if native is None or not all(t.stride(-1) == 1 for t in tensors):
         return None
     if not (eager_on_cpu(tensors[0]) and native.dispatch_modes_allow() and native.plain_tensors(*tensors)):
         return None
-    library = native.kernel("loss")
-    return library if library is not None and library.hfgpt_loss_vectorized() else None
+    library = native.kernel(name)
+    return library if library is not None and getattr(library, f"hfgpt_{name}_vectorized")() else None
 
 
 def _storage_holders(tensor: torch.Tensor) -> int | None:

@@ -1,0 +1,158 @@
+"""hfgpt's one-row float32 product kernel (modeling/csrc/row_product.c): `one_row_product` (an `[out, in]`
+weight) and `one_row_conv1d` (a Conv1D `[in, out]` weight) against torch's products, in a decoding step,
+and where it steps aside."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from test_int8_kernel import portable_library
+from test_performance import OpRecorder
+from transformers import GPT2LMHeadModel
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
+from hfgpt.modeling.interop import to_transformers
+from hfgpt.modeling.ops_hfgpt import one_row_conv1d, one_row_product
+from hfgpt.modeling.quantization import quantize_for_decoding
+
+pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_cache():
+    native.kernel.cache_clear()
+    yield
+    native.kernel.cache_clear()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[str]:
+    """The names of the kernel's entry points as they are called (and still run)."""
+    calls, choose = [], ops_hfgpt._row_product_kernel
+
+    class Spy:
+        def __init__(self, library):
+            self.library = library
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                return getattr(self.library, name)(*args)
+
+            return call
+
+    def spied(*tensors):
+        library = choose(*tensors)
+        return None if library is None else Spy(library)
+
+    monkeypatch.setattr(ops_hfgpt, "_row_product_kernel", spied)
+    return calls
+
+
+def assert_as_close_as_torch(got: torch.Tensor, torchs: torch.Tensor, exact: torch.Tensor) -> None:
+    """`got` within 4x torch's own largest error of the float64 product (sums of thousands of terms round
+    differently in another order), plus 1e-6."""
+    tolerance = 4 * (torchs.double() - exact).abs().max().item() + 1e-6
+    torch.testing.assert_close(got.double(), exact, atol=tolerance, rtol=0)
+
+
+# (out, in): a single vector and a partial one, whole blocks of 64 inputs and a tail, more output rows
+# than the threads split evenly, GPT-2's shapes
+SHAPES = [(1, 1), (5, 15), (7, 17), (33, 64), (97, 130), (2304, 768), (768, 3072)]
+
+
+@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("out, width", SHAPES)
+def test_row_product_equals_f_linear(out, width, torch_threads, kernel_calls):
+    generator = torch.Generator().manual_seed(out + width)
+    x, weight = torch.randn(1, width, generator=generator), torch.randn(out, width, generator=generator)
+    with torch.no_grad():
+        got = one_row_product(x, weight)
+    assert kernel_calls == ["hfgpt_row_product"]
+    assert got.shape == (1, out) and got.is_contiguous()
+    assert_as_close_as_torch(got, F.linear(x, weight), F.linear(x.double(), weight.double()))
+
+
+@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("width, out", [*SHAPES, (45, 40), (3072, 768), (8, 1)])  # Conv1D: [in, out]
+def test_row_conv1d_equals_addmm(width, out, bias, torch_threads, kernel_calls):
+    """Rows split between the threads in whole groups of eight (so one thread may get none), the partial
+    sums and the bias then added."""
+    generator = torch.Generator().manual_seed(out + width)
+    x, weight = torch.randn(1, width, generator=generator), torch.randn(width, out, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
+    with torch.no_grad():
+        got = one_row_conv1d(x, weight, b)
+    assert kernel_calls == ["hfgpt_row_conv1d"]
+    assert got.shape == (1, out) and got.is_contiguous()
+    if b is None:
+        assert_as_close_as_torch(got, x @ weight, x.double() @ weight.double())
+    else:
+        assert_as_close_as_torch(
+            got, torch.addmm(b, x, weight), torch.addmm(b.double(), x.double(), weight.double())
+        )
+
+
+def test_row_products_keep_nans_and_infinities():
+    x, weight = torch.ones(1, 40), torch.ones(6, 40)
+    weight[1, 3], weight[2, 39], weight[3, 0] = float("nan"), float("inf"), float("-inf")
+    with torch.no_grad():
+        torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), equal_nan=True)
+        torch.testing.assert_close(
+            one_row_conv1d(x, weight.T.contiguous(), None), x @ weight.T, equal_nan=True
+        )
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt1"])
+def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(family, kernel_calls):
+    """A decoding step at batch size 1 runs every layer's products and the LM head on the kernel, in the
+    model (Conv1D weights) and in its float32 decoding copy (`[out, in]` weights): the tokens are
+    transformers' on the same weights, the logits equal to float rounding."""
+    torch.manual_seed(0)
+    config = GPTConfig.from_preset(
+        "gpt2" if family == "gpt2" else "openai-gpt", n_embd=64, n_layer=2, n_head=2, vocab_size=500,
+        n_positions=64,
+    )  # fmt: skip
+    model = GPTForCausalLM(config).eval()
+    peer = to_transformers(model).eval()
+    copy = quantize_for_decoding(model, torch.float32)
+    ids, mask = torch.randint(0, 500, (1, 9)), torch.ones(1, 9, dtype=torch.long)
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        expected = peer.generate(ids, **settings)
+        for decoder in (model, copy):
+            kernel_calls.clear()
+            assert torch.equal(decoder.generate(ids, **settings), expected)
+            want = "hfgpt_row_conv1d" if decoder is model else "hfgpt_row_product"
+            assert kernel_calls.count(want) >= 11 * 4 * config.n_layer
+            assert "hfgpt_row_product" in kernel_calls  # the LM head
+        step = ids[:, -1:]
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        torch.testing.assert_close(
+            model(step, past_key_values=cache).logits, peer(ids).logits[:, -1:], atol=1e-5, rtol=1e-5
+        )
+    assert isinstance(peer, GPT2LMHeadModel) == (family == "gpt2")
+
+
+def test_row_product_kernel_steps_aside_under_a_dispatch_mode_and_hfgpt_native_0(kernel_calls, monkeypatch):
+    x, weight = torch.randn(1, 48), torch.randn(40, 48)
+    with torch.no_grad():
+        with OpRecorder() as recorder:
+            got = one_row_product(x, weight)
+        assert kernel_calls == [] and torch.ops.aten.bmm.default in recorder.ops
+        torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        monkeypatch.setenv("HFGPT_NATIVE", "0")
+        native.kernel.cache_clear()
+        assert ops_hfgpt._row_product_kernel(x) is None
+        torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_a_build_without_avx512_leaves_the_row_products_to_torch(tmp_path, monkeypatch):
+    library = portable_library(tmp_path, "row_product")
+    assert library.hfgpt_row_product_vectorized() == 0
+    x, weight, y = torch.randn(1, 16), torch.randn(4, 16), torch.empty(1, 4)
+    assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 4, 16, None, y.data_ptr(), 1) == 3
+    with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
+        patch.setattr(native, "kernel", lambda name: library)
+        assert ops_hfgpt._row_product_kernel(x) is None
