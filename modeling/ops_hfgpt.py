@@ -1200,7 +1200,7 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
 
     Where hfgpt's C kernel is built (csrc/row_product.c, `_row_product_kernel`), each thread computes the
     dot products of its run of rows itself, as one sequential read: GPT-2's 49 weights of a step (in huge
-    pages, 497 MB) at 45-50 GB/s against 35-41 for the split `bmm` while a plain sum read 60 GB/s, and at
+    pages, 494 MB) at 45-50 GB/s against 35-41 for the split `bmm` while a plain sum read 60 GB/s, and at
     about 90% against 80% of the sum's rate on a busy host; greedy decoding with the float32 copy, GPT-2
     B=1 alternated in one process, 17.6 against 19.1 ms a step, the same tokens."""
     parts = one_row_parts(flat, weight)
