@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
 from test_performance import (  # tests/ is on sys.path
     OpRecorder,
     assert_checkpointing_keeps_the_gradients,
@@ -19,7 +20,7 @@ from test_performance import (  # tests/ is on sys.path
 from torch.testing._internal.two_tensor import TwoTensor
 from transformers.cache_utils import DynamicCache
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, native, ops_hfgpt
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import (
     native_attention_applies,
     native_causal_attention,
@@ -50,13 +51,6 @@ def _config(**overrides) -> GPTConfig:
     return GPTConfig(
         **{"vocab_size": 96, "n_positions": 160, "n_embd": 128, "n_layer": 2, "n_head": 2, **overrides}
     )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
 
 
 def _qkv(batch: int, heads: int, length: int, scale: float = 1.0, seed: int = 0) -> tuple[torch.Tensor, ...]:

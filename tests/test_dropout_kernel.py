@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
 from test_int8_kernel import portable_library  # tests/ is on sys.path
 from test_performance import OpRecorder
 
@@ -16,13 +17,6 @@ CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None, reason="the dropout kernel needs a C compiler"
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
 
 
 def splitmix64_keep(n: int, seed: int, p: float) -> list[bool]:

@@ -4,7 +4,12 @@ and torch's own, where the model runs it, and where it steps aside."""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from kernel_testing import (  # tests/ is on sys.path
+    assert_step_equals_torchs,
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    record_kernel_calls,
+)
+from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
@@ -14,28 +19,10 @@ from hfgpt.modeling.ops_hfgpt import gelu_tanh
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
 
 
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[str]:
     """The names of the GELU kernel's entry points as they are called (and still run)."""
-    calls, library = [], ops_hfgpt._gelu_kernel()
-
-    class Spy:
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append(name)
-                return getattr(library, name)(*args)
-
-            return call
-
-    monkeypatch.setattr(ops_hfgpt, "_gelu_kernel", Spy)
-    return calls
+    return record_kernel_calls(monkeypatch, "_gelu_kernel")
 
 
 def inputs(n: int, seed: int = 0) -> torch.Tensor:
@@ -158,11 +145,8 @@ def test_a_training_step_runs_the_gelu_kernel_with_torchs_gradients(kernel_calls
     loss, grads = seeded_step(model, ids, seed=3)
     assert sorted(kernel_calls) == ["hfgpt_gelu_backward"] * 2 + ["hfgpt_gelu_forward"] * 2
     monkeypatch.setattr(ops_hfgpt, "_native_gelu_applies", lambda x: False)
-    torch_loss, torch_grads = seeded_step(model, ids, seed=3)
+    assert_step_equals_torchs(model, ids, (loss, grads), atol=1e-5, rtol=1e-4)
     assert len(kernel_calls) == 4
-    torch.testing.assert_close(loss, torch_loss, atol=1e-6, rtol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, torch_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_build_without_avx512_leaves_the_gelu_to_torch(tmp_path, monkeypatch):

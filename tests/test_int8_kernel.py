@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
 
 from hfgpt.modeling import native
 from hfgpt.modeling.quantization import INT8_BLOCK, Int8Linear, quantize_activations
@@ -30,13 +31,6 @@ def _cpu_has_vnni() -> bool:
         return False
     flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
 
 
 def portable_library(directory: Path, name: str = "int8_linear"):

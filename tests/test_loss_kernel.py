@@ -5,7 +5,12 @@ against torch's expressions of the same arithmetic and `torch.logsumexp`, and wh
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from kernel_testing import (  # tests/ is on sys.path
+    assert_step_equals_torchs,
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    record_kernel_calls,
+)
+from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
@@ -13,13 +18,6 @@ from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
 from hfgpt.modeling.ops_hfgpt import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
 
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -32,26 +30,8 @@ def _onednn():
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[str]:
-    """The names of the loss kernel's entry points as they are called (and still run)."""
-    calls, choose = [], ops_hfgpt._loss_kernel
-
-    class Spy:
-        def __init__(self, library):
-            self.library = library
-
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append(name)
-                return getattr(self.library, name)(*args)
-
-            return call
-
-    def spied(*tensors):
-        library = choose(*tensors)
-        return None if library is None else Spy(library)
-
-    monkeypatch.setattr(ops_hfgpt, "_loss_kernel", spied)
-    return calls
+    """The names of the kernel's entry points as they are called (and still run)."""
+    return record_kernel_calls(monkeypatch, "_loss_kernel")
 
 
 def without_kernel(monkeypatch) -> None:
@@ -192,10 +172,7 @@ def test_a_training_step_runs_the_loss_kernel_with_torchs_gradients(kernel_calls
     loss, grads = seeded_step(model, ids, seed=3)
     assert kernel_calls == ["hfgpt_lse_block", "hfgpt_softmax_grad"]
     without_kernel(monkeypatch)
-    torch_loss, torch_grads = seeded_step(model, ids, seed=3)
-    torch.testing.assert_close(loss, torch_loss, atol=1e-6, rtol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, torch_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert_step_equals_torchs(model, ids, (loss, grads), atol=1e-6, rtol=1e-5)
 
 
 def test_a_build_without_avx512_leaves_the_loss_to_torch(tmp_path, monkeypatch):

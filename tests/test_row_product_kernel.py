@@ -5,7 +5,11 @@ and where it steps aside."""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention_kernel import needs_kernel  # tests/ is on sys.path
+from kernel_testing import (  # tests/ is on sys.path
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    record_kernel_calls,
+)
+from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
@@ -18,35 +22,10 @@ from hfgpt.modeling.quantization import quantize_for_decoding
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
 
 
-@pytest.fixture(autouse=True)
-def _fresh_kernel_cache():
-    native.kernel.cache_clear()
-    yield
-    native.kernel.cache_clear()
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[str]:
     """The names of the kernel's entry points as they are called (and still run)."""
-    calls, choose = [], ops_hfgpt._row_product_kernel
-
-    class Spy:
-        def __init__(self, library):
-            self.library = library
-
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append(name)
-                return getattr(self.library, name)(*args)
-
-            return call
-
-    def spied(*tensors):
-        library = choose(*tensors)
-        return None if library is None else Spy(library)
-
-    monkeypatch.setattr(ops_hfgpt, "_row_product_kernel", spied)
-    return calls
+    return record_kernel_calls(monkeypatch, "_row_product_kernel")
 
 
 def assert_as_close_as_torch(got: torch.Tensor, torchs: torch.Tensor, exact: torch.Tensor) -> None:
