@@ -1622,7 +1622,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             and logits.dtype == lse.dtype == scale.dtype == torch.float32
             and targets.dtype == torch.int64
         ):
-            library = _loss_kernel(logits, lse, scale, targets)
+            # (N,) each, contiguous: the kernel reads row r's values at index r
+            lse, row_scale, targets = lse.contiguous(), scale.reshape(-1).contiguous(), targets.contiguous()
+            library = _loss_kernel(logits, lse, row_scale, targets)
         row_ids = torch.arange(rows, device=logits.device) if library is None else None
         # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
         buffer = logits.new_empty(rows * width, dtype=torch.float32)
@@ -1631,7 +1633,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
             if library is not None:
                 status = library.hfgpt_softmax_grad(
-                    logits[:, start:stop].data_ptr(), logits.stride(0), lse.data_ptr(), scale.data_ptr(),
+                    logits[:, start:stop].data_ptr(), logits.stride(0), lse.data_ptr(), row_scale.data_ptr(),
                     targets.data_ptr(), start, rows, stop - start, grad.data_ptr(), stop - start,
                     torch.get_num_threads(),
                 )  # fmt: skip
