@@ -1262,6 +1262,36 @@ def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return total if bias is None else total.add_(bias)
 
 
+def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a contiguous bfloat16 `[out, in]`
+    weight (and bias), without gradients, on hfgpt's C kernel (csrc/row_product.c, AVX-512 BF16): each
+    thread reads its run of the weight's rows once, pairs of products summed in float32 as oneDNN's
+    bfloat16 product sums them, the bias added and the sum rounded to bfloat16 once. None where it does
+    not apply (no such CPU or kernel, gradients, another dtype, a non-contiguous weight): callers run
+    their product. The CPU's bfloat16 one-row products through oneDNN or torch read ~15 GB/s here."""
+    tensors = [x, weight, *([] if bias is None else [bias])]
+    if (
+        any(t.dtype != torch.bfloat16 for t in tensors)
+        or not weight.is_contiguous()
+        or (bias is not None and not bias.is_contiguous())
+        or needs_grad(*tensors)
+        or torch.is_autocast_enabled("cpu")
+    ):
+        return None
+    library = _row_product_kernel(*tensors)
+    if library is None or not library.hfgpt_row_product_bf16_available():
+        return None
+    out, width = weight.shape
+    y = x.new_empty(1, out)
+    status = library.hfgpt_row_product_bf16(
+        x.data_ptr(), weight.data_ptr(), out, width, None if bias is None else bias.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"row product kernel: refused a bfloat16 {out} x {width} weight (status {status})")
+    return y
+
+
 def _row_product_kernel(*tensors: torch.Tensor) -> Any:
     """csrc/row_product.c's library where it may read these tensors (`_native_library`)."""
     return _native_library("row_product", *tensors)

@@ -14,7 +14,7 @@ from test_int8_kernel import portable_library
 from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt, quantization
 from hfgpt.modeling.interop import to_transformers
 from hfgpt.modeling.ops_hfgpt import one_row_conv1d, one_row_product
 from hfgpt.modeling.quantization import quantize_for_decoding
@@ -129,9 +129,84 @@ def test_row_product_kernel_steps_aside_under_a_dispatch_mode_and_hfgpt_native_0
 
 def test_a_build_without_avx512_leaves_the_row_products_to_torch(tmp_path, monkeypatch):
     library = portable_library(tmp_path, "row_product")
-    assert library.hfgpt_row_product_vectorized() == 0
+    assert library.hfgpt_row_product_vectorized() == 0 and library.hfgpt_row_product_bf16_available() == 0
     x, weight, y = torch.randn(1, 16), torch.randn(4, 16), torch.empty(1, 4)
     assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 4, 16, None, y.data_ptr(), 1) == 3
     with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
         patch.setattr(native, "kernel", lambda name: library)
         assert ops_hfgpt._row_product_kernel(x) is None
+
+
+def bfloat16_kernel_available() -> bool:
+    library = ops_hfgpt._row_product_kernel(torch.zeros(1))
+    return library is not None and bool(library.hfgpt_row_product_bf16_available())
+
+
+def products(calls: list[str]) -> list[str]:
+    """The calls that computed something (not the availability checks)."""
+    return [call for call in calls if not call.endswith("_available")]
+
+
+needs_bfloat16 = pytest.mark.skipif(
+    not bfloat16_kernel_available(), reason="the bfloat16 row product needs a CPU with AVX-512 BF16"
+)
+
+
+@needs_bfloat16
+@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out, width", [*SHAPES, (3, 31), (4, 95)])  # and tails of 32 inputs
+def test_bfloat16_row_product_equals_onednns(out, width, bias, torch_threads, kernel_calls):
+    """Pairs of products summed in float32, the bias added, one rounding: oneDNN's bfloat16 product
+    gives the same bits but for a rare last-place difference where the float32 sums round apart."""
+    generator = torch.Generator().manual_seed(out + width)
+    x = torch.randn(1, width, generator=generator).bfloat16()
+    weight = (torch.randn(out, width, generator=generator) * 0.1).bfloat16()
+    b = torch.randn(out, generator=generator).bfloat16() if bias else None
+    with torch.no_grad():
+        got = ops_hfgpt.one_row_bfloat16(x, weight, b)
+        theirs = ops_hfgpt.onednn_mm(x, weight, b)
+    assert products(kernel_calls) == ["hfgpt_row_product_bf16"]
+    assert got.dtype == torch.bfloat16 and got.shape == (1, out)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert (got == theirs).float().mean() >= 0.99
+    # one bfloat16 rounding of a float32 sum: within 2^-8 of the exact value, as oneDNN's
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+
+
+@needs_bfloat16
+def test_bfloat16_row_product_keeps_nans_and_infinities():
+    x, weight = torch.ones(1, 40, dtype=torch.bfloat16), torch.ones(4, 40, dtype=torch.bfloat16)
+    weight[1, 3], weight[2, 39], weight[3, 0] = float("nan"), float("inf"), float("-inf")
+    with torch.no_grad():
+        got = ops_hfgpt.one_row_bfloat16(x, weight, None)
+    torch.testing.assert_close(got, F.linear(x, weight), equal_nan=True)
+
+
+@needs_bfloat16
+def test_bfloat16_row_product_steps_aside_for_gradients_other_dtypes_and_strides(kernel_calls):
+    x, weight = torch.randn(1, 48).bfloat16(), torch.randn(40, 48).bfloat16()
+    with torch.no_grad():
+        assert ops_hfgpt.one_row_bfloat16(x.float(), weight.float(), None) is None
+        assert ops_hfgpt.one_row_bfloat16(x, weight.T.contiguous().T, None) is None
+    assert ops_hfgpt.one_row_bfloat16(x, weight.requires_grad_(), None) is None
+    assert products(kernel_calls) == []
+
+
+@needs_bfloat16
+def test_bfloat16_decoding_copy_runs_the_kernel_with_onednns_logits(kernel_calls, monkeypatch):
+    """Every layer and the LM head of a bfloat16 decoding copy at batch size 1 run on the kernel; the
+    logits of a decoding step are those of oneDNN's bfloat16 products to bfloat16 rounding."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=500, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    copy = quantize_for_decoding(GPTForCausalLM(config).eval(), torch.bfloat16)
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.no_grad():
+        cache = copy(ids[:, :-1], use_cache=True).past_key_values
+        kernel_calls.clear()
+        logits = copy(ids[:, -1:], past_key_values=cache).logits
+        assert products(kernel_calls) == ["hfgpt_row_product_bf16"] * (4 * config.n_layer + 1)
+        monkeypatch.setattr(quantization, "one_row_bfloat16", lambda *args: None)
+        cache = copy(ids[:, :-1], use_cache=True).past_key_values
+        theirs = copy(ids[:, -1:], past_key_values=cache).logits
+    torch.testing.assert_close(logits.float(), theirs.float(), atol=0.02, rtol=0.02)

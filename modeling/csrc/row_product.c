@@ -112,6 +112,68 @@ int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, co
 }
 #else
 #define VECTORIZED 0
+#endif
+
+#if VECTORIZED && defined(__AVX512BF16__)
+#define BFLOAT16 1
+
+/* float -> bfloat16, rounding to nearest even (a NaN stays a quiet NaN) */
+static inline uint16_t to_bfloat16(float value)
+{
+    union { float f; uint32_t u; } bits = {value};
+    if ((bits.u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((bits.u >> 16) | 0x40u);
+    return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bfloat16(uint16_t value)
+{
+    union { uint32_t u; float f; } bits = {(uint32_t)value << 16};
+    return bits.f;
+}
+
+/* y[o] = bfloat16(sum_i x[i] w[o, i] (+ bias[o])) for bfloat16 x, w (contiguous, out x in), bias and y: the
+ * products of pairs summed in float32 by VDPBF16PS (as oneDNN's bfloat16 products; subnormal inputs count
+ * as 0), the bias added in float32, then one rounding to bfloat16. */
+int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
+                           uint16_t *y, int threads)
+{
+    if (out < 0 || in < 0 || threads < 1)
+        return 2;
+    const int64_t full = in / 64 * 64;
+#pragma omp parallel for num_threads(threads) schedule(static) if (out * in >= PARALLEL_FROM)
+    for (int64_t o = 0; o < out; o++) {
+        const uint16_t *p = w + o * in;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i < full; i += 64) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(p + i), (__m512bh)_mm512_loadu_si512(x + i));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(p + i + 32),
+                                  (__m512bh)_mm512_loadu_si512(x + i + 32));
+        }
+        for (; i < in; i += 32) {
+            const int64_t left = in - i;
+            const __mmask32 m = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, p + i),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(m, x + i));
+        }
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        y[o] = to_bfloat16(bias ? sum + from_bfloat16(bias[o]) : sum);
+    }
+    return 0;
+}
+#else
+#define BFLOAT16 0
+
+int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
+                           uint16_t *y, int threads)
+{
+    (void)x, (void)w, (void)out, (void)in, (void)bias, (void)y, (void)threads;
+    return 3;
+}
+#endif
+
+#if !VECTORIZED
 
 int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, const float *bias, float *y,
                       int threads)
@@ -128,5 +190,7 @@ int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, co
 }
 #endif
 
-/* Whether this build has the vector path (else the entry points return 3 and callers run torch's ops). */
+/* Whether this build has the vector path (else the entry points return 3 and callers run torch's ops), and
+ * the bfloat16 one (AVX-512 BF16). */
 int hfgpt_row_product_vectorized(void) { return VECTORIZED; }
+int hfgpt_row_product_bf16_available(void) { return BFLOAT16; }
