@@ -59,21 +59,20 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_kernel() -> Any:
-    """The C GELU (`native.kernel("gelu")`), or None: not built (no compiler, `HFGPT_NATIVE=0`, a
-    remote-code copy of this file) or built for a CPU without AVX-512."""
-    library = None if native is None else native.kernel("gelu")
-    return library if library is not None and library.hfgpt_gelu_vectorized() else None
+    """The C GELU (`_vectorized_kernel("gelu")`)."""
+    return _vectorized_kernel("gelu")
+
+
+def _vectorized_kernel(name: str) -> Any:
+    """The library of csrc/{name}.c (`native.kernel(name)`), or None: not built (no compiler,
+    `HFGPT_NATIVE=0`, a remote-code copy of this file) or built for a CPU without AVX-512 (its
+    `hfgpt_{name}_vectorized()` says 0)."""
+    library = None if native is None else native.kernel(name)
+    return library if library is not None and getattr(library, f"hfgpt_{name}_vectorized")() else None
 
 
 def _native_gelu_applies(x: torch.Tensor) -> bool:
-    return (
-        x.dtype == torch.float32
-        and x.is_contiguous()
-        and eager_on_cpu(x)
-        and _gelu_kernel() is not None
-        and native.dispatch_modes_allow()
-        and native.plain_tensors(x)
-    )
+    return x.dtype == torch.float32 and x.is_contiguous() and _native_library("gelu", x) is not None
 
 
 class _NativeGelu(torch.autograd.Function):
@@ -760,10 +759,8 @@ NATIVE_HEAD_SIZE = 64
 
 
 def _attention_kernel() -> Any:
-    """The C attention kernel (`native.kernel("attention")`), or None: not built (no compiler,
-    `HFGPT_NATIVE=0`, a remote-code copy of this file) or built for a CPU without AVX-512."""
-    library = None if native is None else native.kernel("attention")
-    return library if library is not None and library.hfgpt_attention_vectorized() else None
+    """The C attention kernel (`_vectorized_kernel("attention")`)."""
+    return _vectorized_kernel("attention")
 
 
 def native_attention_takes(
@@ -1443,14 +1440,13 @@ def _loss_kernel(*tensors: torch.Tensor) -> Any:
 
 def _native_library(name: str, *tensors: torch.Tensor) -> Any:
     """csrc/{name}.c's library where it may read and write these tensors (of the dtypes its callers check):
-    CPU tensors whose rows are contiguous, where the library is built with AVX-512 (`native.kernel`),
-    outside dispatch modes that cannot see it; else None, and callers run torch's ops."""
-    if native is None or not all(t.stride(-1) == 1 for t in tensors):
+    CPU tensors whose rows are contiguous, run eagerly, outside dispatch modes that cannot see it, where
+    the library is built with AVX-512 (`_vectorized_kernel`); else None, and callers run torch's ops."""
+    if native is None or not all(t.dim() == 0 or t.stride(-1) == 1 for t in tensors):
         return None
     if not (eager_on_cpu(tensors[0]) and native.dispatch_modes_allow() and native.plain_tensors(*tensors)):
         return None
-    library = native.kernel(name)
-    return library if library is not None and getattr(library, f"hfgpt_{name}_vectorized")() else None
+    return _vectorized_kernel(name)
 
 
 def _storage_holders(tensor: torch.Tensor) -> int | None:

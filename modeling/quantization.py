@@ -49,7 +49,11 @@ class DecodingLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 1 and (out := one_row_bfloat16(x.reshape(1, -1), self.weight, self.bias)) is not None:
+        if (
+            rows == 1
+            and x.dtype == torch.bfloat16  # (float32 copies skip the call on every layer of every step)
+            and (out := one_row_bfloat16(x.reshape(1, -1), self.weight, self.bias)) is not None
+        ):
             return out.view(*x.shape[:-1], -1)
         if rows > 0 and _bfloat16_onednn_applies(x, self.weight, self.bias):
             out = onednn_mm(x.reshape(rows, -1), self.weight, self.bias)

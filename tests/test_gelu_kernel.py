@@ -56,6 +56,16 @@ def test_gelu_and_its_gradient_are_the_float64_gelus_to_float_rounding(n, kernel
     assert max_error(slope, expected_slope) <= max(1.5 * max_error(their_slope, expected_slope), 2**-23)
 
 
+def test_gelu_kernel_takes_a_zero_dimensional_tensor(kernel_calls):
+    x = torch.tensor(1.5, requires_grad=True)
+    y = gelu_tanh(x)
+    y.backward()
+    assert kernel_calls == ["hfgpt_gelu_forward", "hfgpt_gelu_backward"] and y.shape == ()
+    expected, slope = float64_gelu_and_slope(x.detach())
+    torch.testing.assert_close(y.double(), expected)
+    torch.testing.assert_close(x.grad.double(), slope)
+
+
 def test_gelu_kernel_keeps_nans_and_infinities_as_torch_and_the_tails_finite(kernel_calls):
     """NaN and the infinities give torch's values and slopes (NaN slopes); large finite inputs give the
     GELU's own values and slopes (1 and 0, where torch's float32 slope formula overflows to NaN)."""
