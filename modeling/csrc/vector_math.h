@@ -1,5 +1,5 @@
-/* AVX-512 helpers shared by hfgpt's C kernels (attention.c, gelu.c, int8_linear.c); included where __AVX512F__,
- * __AVX512BW__ and __AVX512VL__ are defined. native.py's build hashes this header with each source. */
+/* AVX-512 helpers shared by hfgpt's C kernels (attention.c, gelu.c, int8_linear.c, loss.c, row_product.c);
+ * included where __AVX512F__, __AVX512BW__ and __AVX512VL__ are defined. native.py's build hashes this header with each source. */
 #ifndef HFGPT_VECTOR_MATH_H
 #define HFGPT_VECTOR_MATH_H
 #include <immintrin.h>
@@ -52,7 +52,6 @@ static inline void sigmoid_parts(__m512 x, __m512 *s, __m512 *es, __m512 *dv)
     *dv = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(2.0f * SQRT_2_OVER_PI), xc),
                         _mm512_fmadd_ps(x2, _mm512_set1_ps(3.0f * CUBIC), one));
 }
-
 
 /* The tanh GELU of 16 values (gelu.c's forward, int8_linear.c's decoding block). */
 static inline __m512 gelu_ps(__m512 x)
