@@ -30,7 +30,7 @@ from bench_model import (
     publish,
 )
 
-from hfgpt.modeling import ops_hfgpt
+from hfgpt.cpu import ops as ops_hfgpt
 
 BACKENDS = ("onednn", "mkl")
 

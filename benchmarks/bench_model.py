@@ -49,11 +49,12 @@ from transformers import (
 )
 from transformers import logging as hf_logging
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, ops_hfgpt
-from hfgpt.modeling.cpu_runtime import keep_freed_memory
-from hfgpt.modeling.huge_pages import huge_page_buffer
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.huge_pages import huge_page_buffer
+from hfgpt.cpu.quantization import quantize_for_decoding
+from hfgpt.cpu.runtime import keep_freed_memory
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers, to_transformers_config
-from hfgpt.modeling.quantization import quantize_for_decoding
 
 FAMILIES = ("gpt2", "gpt1")
 SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
@@ -1073,7 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
-        help="apply hfgpt.modeling.cpu_runtime.keep_freed_memory() first, as hfgpt-train does (glibc)",
+        help="apply hfgpt.cpu.runtime.keep_freed_memory() first, as hfgpt-train does (glibc)",
     )
     parser.add_argument(
         "--mkl-products",

@@ -33,8 +33,8 @@ import transformers
 from bench_model import publish  # the sibling script (python benchmarks/lowp_accuracy.py)
 from transformers import AutoTokenizer
 
+from hfgpt.cpu.quantization import quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
-from hfgpt.modeling.quantization import quantize_for_decoding
 from hfgpt.tokenization import GPT2Tokenizer
 
 PROFILES = {

@@ -37,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import PROFILES, build_ours, build_peer, make_train_step, write_json  # noqa: E402
 
-from hfgpt.modeling import ops_hfgpt  # noqa: E402
-from hfgpt.modeling.cpu_runtime import keep_freed_memory  # noqa: E402
+from hfgpt.cpu import ops as ops_hfgpt  # noqa: E402
+from hfgpt.cpu.runtime import keep_freed_memory  # noqa: E402
 
 PRODUCTS = ("mkldnn._linear_pointwise", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
 

@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from hfgpt.cpu.ops import onednn_products, use_onednn_products
 from hfgpt.tokenization import register as _register_tokenizers
 
 from .configuration_hfgpt import PRESETS, GPTConfig, translate_transformers_config
@@ -22,7 +23,6 @@ from .modeling_hfgpt import (
     GPTModel,
     GPTPreTrainedModel,
 )
-from .ops_hfgpt import onednn_products, use_onednn_products
 
 AutoConfig.register(GPTConfig.model_type, GPTConfig, exist_ok=True)
 for _auto, _model in (

@@ -11,6 +11,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
+from hfgpt.cpu.quantization import decoding_copy_error
+
 from .configuration_hfgpt import ACTIVATIONS, OPENAI_GPT_AFN, GPTConfig
 from .modeling_hfgpt import (
     OPENAI_GPT_RENAMES,
@@ -22,7 +24,6 @@ from .modeling_hfgpt import (
     GPTModel,
     GPTPreTrainedModel,
 )
-from .quantization import decoding_copy_error
 
 # hfgpt head -> (transformers GPT-2 class, transformers GPT-1 class); None where transformers has none
 # (modeling_openai defines no token-classification or question-answering head).

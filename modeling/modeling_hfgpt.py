@@ -42,8 +42,7 @@ from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_hfgpt import GPTConfig
-from .ops_hfgpt import (
+from hfgpt.cpu.ops import (
     IN_PLACE,
     ONEDNN_ACTIVATIONS,
     HeadBuffers,
@@ -79,6 +78,8 @@ from .ops_hfgpt import (
     weighted_lm_loss,
     workspace,
 )
+
+from .configuration_hfgpt import GPTConfig
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_tanh,

@@ -43,8 +43,8 @@ from transformers import (
 )
 
 import hfgpt.modeling  # noqa: F401  (registers hfgpt with the Auto classes)
+from hfgpt.cpu.runtime import keep_freed_memory
 from hfgpt.modeling import PRESETS, GPTConfig, GPTForCausalLM
-from hfgpt.modeling.cpu_runtime import keep_freed_memory
 from hfgpt.modeling.finetune import TrainingInputError
 
 # `--keep_freed_memory`, a flag of both training command lines (this one and hfgpt-finetune).

@@ -69,7 +69,7 @@ def keep_freed_memory_calls(monkeypatch) -> list[bool]:
 def cpu_products_setting_restored():
     """Every test leaves `use_onednn_products` as it found it: a leaked False would run every later test
     in the process on MKL alone (one did, until session 8)."""
-    from hfgpt.modeling import ops_hfgpt
+    from hfgpt.cpu import ops as ops_hfgpt
 
     before = dict(ops_hfgpt._cpu_products)
     yield
@@ -80,7 +80,7 @@ def cpu_products_setting_restored():
 def cpu_products(request):
     """Runs a test with hfgpt's float32 CPU products through oneDNN (the default) and through MKL's
     `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built without oneDNN."""
-    from hfgpt.modeling import ops_hfgpt
+    from hfgpt.cpu import ops as ops_hfgpt
 
     if request.param == "onednn" and ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")

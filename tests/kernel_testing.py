@@ -5,7 +5,9 @@ import pytest
 import torch
 from test_performance import seeded_step  # tests/ is on sys.path
 
-from hfgpt.modeling import GPTForCausalLM, native, ops_hfgpt
+from hfgpt.cpu import native
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.modeling import GPTForCausalLM
 
 
 @pytest.fixture(autouse=True)

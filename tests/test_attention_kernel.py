@@ -20,12 +20,13 @@ from test_performance import (  # tests/ is on sys.path
 from torch.testing._internal.two_tensor import TwoTensor
 from transformers.cache_utils import DynamicCache
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt, ops_hfgpt
-from hfgpt.modeling.ops_hfgpt import (
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import (
     native_attention_applies,
     native_causal_attention,
     native_decode_attention,
 )
+from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
 
 
 def _cpu_has_avx512() -> bool:

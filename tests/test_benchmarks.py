@@ -180,7 +180,7 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
 
 
 def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, capsys):
-    from hfgpt.modeling import ops_hfgpt
+    from hfgpt.cpu import ops as ops_hfgpt
 
     with ops_hfgpt.onednn_products(True) as runs_onednn:
         out = tmp_path / "mkl.json"
@@ -197,7 +197,7 @@ def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, c
 def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
     import ab_cpu_products
 
-    from hfgpt.modeling import ops_hfgpt
+    from hfgpt.cpu import ops as ops_hfgpt
 
     with ops_hfgpt.onednn_products(True):
         assert ab_cpu_products.main(["--tiny", "--json", str(tmp_path / "ab.json")]) == 0
@@ -320,7 +320,7 @@ def test_step_breakdown_times_hfgpts_c_kernels_as_ops_of_their_own():
     one block of the log-sum-exp and one slice of the softmax gradient)."""
     import step_breakdown
 
-    from hfgpt.modeling import ops_hfgpt
+    from hfgpt.cpu import ops as ops_hfgpt
 
     if ops_hfgpt._attention_kernel() is None:
         pytest.skip("no C compiler or no AVX-512: the attention kernel is not built here")

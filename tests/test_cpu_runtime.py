@@ -1,4 +1,4 @@
-"""`keep_freed_memory` (hfgpt.modeling.cpu_runtime) and the training command lines that apply it."""
+"""`keep_freed_memory` (hfgpt.cpu.runtime) and the training command lines that apply it."""
 
 import platform
 import subprocess
@@ -16,7 +16,7 @@ from hfgpt.scripts import finetune_classification, train_lm
 SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from hfgpt.modeling.cpu_runtime import keep_freed_memory
+    from hfgpt.cpu.runtime import keep_freed_memory
     applied = keep_freed_memory() if sys.argv[1] == "keep" else None
     def faults_of_a_fresh_64_mb_tensor():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -46,7 +46,7 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
 
 
 def test_keep_freed_memory_is_false_without_glibc(monkeypatch):
-    from hfgpt.modeling import cpu_runtime
+    from hfgpt.cpu import runtime as cpu_runtime
 
     monkeypatch.setattr(cpu_runtime.sys, "platform", "darwin")
     assert cpu_runtime.keep_freed_memory() is False

@@ -10,8 +10,9 @@ from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test 
 from test_int8_kernel import portable_library  # tests/ is on sys.path
 from test_performance import OpRecorder
 
-from hfgpt.modeling import native, ops_hfgpt
-from hfgpt.modeling.ops_hfgpt import keep_mask
+from hfgpt.cpu import native
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import keep_mask
 
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(

@@ -225,7 +225,7 @@ def test_double_heads_loss_is_mc_loss_plus_lambda_l1():
 
 def test_int8_double_heads_copy_computes_the_auxiliary_lm_loss_from_its_own_logits():
     """An int8 decoding copy has no float LM-head weight: L1 comes from the logits its head computes."""
-    from hfgpt.modeling.quantization import quantize_for_decoding
+    from hfgpt.cpu.quantization import quantize_for_decoding
 
     torch.manual_seed(0)
     model = GPTDoubleHeadsModel(_tiny_config(classify_token_id=19, lm_loss_weight=0.5)).eval()

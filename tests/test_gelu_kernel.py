@@ -13,8 +13,10 @@ from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
-from hfgpt.modeling.ops_hfgpt import gelu_tanh
+from hfgpt.cpu import native
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import gelu_tanh
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
 

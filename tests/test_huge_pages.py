@@ -1,5 +1,5 @@
 """Decoding copies keep their weights in one mapping advised into transparent huge pages
-(`hfgpt.modeling.huge_pages`), with every value, tie and output unchanged."""
+(`hfgpt.cpu.huge_pages`), with every value, tie and output unchanged."""
 
 import copy
 import gc
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfgpt.cpu.huge_pages import HUGE_PAGE, gather_into_huge_pages, huge_page_buffer
+from hfgpt.cpu.quantization import Int8Linear, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
-from hfgpt.modeling.huge_pages import HUGE_PAGE, gather_into_huge_pages, huge_page_buffer
-from hfgpt.modeling.quantization import Int8Linear, quantize_for_decoding
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, native
-from hfgpt.modeling.quantization import Int8Block, Int8Linear, _kernel_layer, quantize_for_decoding
+from hfgpt.cpu import native
+from hfgpt.cpu.quantization import Int8Block, Int8Linear, _kernel_layer, quantize_for_decoding
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 
 @pytest.fixture(autouse=True)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
 
-from hfgpt.modeling import native
-from hfgpt.modeling.quantization import INT8_BLOCK, Int8Linear, quantize_activations
+from hfgpt.cpu import native
+from hfgpt.cpu.quantization import INT8_BLOCK, Int8Linear, quantize_activations
 
 # The kernel is built with the machine's C compiler (CI has one). Without it hfgpt falls back to the torch
 # reference, which the other tests here exercise.

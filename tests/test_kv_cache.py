@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from hfgpt.cpu.ops import append_to_cache
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.ops_hfgpt import append_to_cache
 
 TINY = dict(
     vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None

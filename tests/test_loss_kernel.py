@@ -14,8 +14,10 @@ from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt
-from hfgpt.modeling.ops_hfgpt import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
+from hfgpt.cpu import native
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 from test_performance import conv1d_pair  # tests/ is on sys.path (pytest's default import mode)
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, ops_hfgpt
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import onednn_products_apply, use_onednn_products
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.ops_hfgpt import onednn_products_apply, use_onednn_products
 
 TINY = dict(
     vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None

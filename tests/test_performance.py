@@ -15,17 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling import (
-    GPTConfig,
-    GPTDoubleHeadsModel,
-    GPTForCausalLM,
-    GPTForSequenceClassification,
-    modeling_hfgpt,
-    ops_hfgpt,
-)
-from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import GPTConv1D
-from hfgpt.modeling.ops_hfgpt import (
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import (
     banded_attention_applies,
     cpu_banded_attention,
     cpu_dropout_attention,
@@ -43,6 +34,15 @@ from hfgpt.modeling.ops_hfgpt import (
     weighted_lm_loss,
     workspace,
 )
+from hfgpt.modeling import (
+    GPTConfig,
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForSequenceClassification,
+    modeling_hfgpt,
+)
+from hfgpt.modeling.interop import to_transformers
+from hfgpt.modeling.modeling_hfgpt import GPTConv1D
 
 TINY = dict(
     vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None

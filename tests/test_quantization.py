@@ -7,9 +7,9 @@ import huggingface_hub.constants
 import pytest
 import torch
 
+from hfgpt.cpu.quantization import DecodingLinear, Int8Linear, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import ExportError, to_transformers
-from hfgpt.modeling.quantization import DecodingLinear, Int8Linear, quantize_for_decoding
 
 
 @pytest.fixture
@@ -128,7 +128,8 @@ def test_bfloat16_decoding_linear_runs_onednn_with_f_linear_values(shape, monkey
     runs oneDNN too), and through `F.linear` with them or with oneDNN products switched off. (One row
     runs on hfgpt's C kernel where the CPU has AVX-512 BF16: tests/test_row_product_kernel.py; switched
     off here.)"""
-    from hfgpt.modeling import ops_hfgpt, quantization
+    from hfgpt.cpu import ops as ops_hfgpt
+    from hfgpt.cpu import quantization
 
     if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")

@@ -14,10 +14,12 @@ from test_int8_kernel import portable_library
 from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, native, ops_hfgpt, quantization
+from hfgpt.cpu import native, quantization
+from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.ops import one_row_conv1d, one_row_product
+from hfgpt.cpu.quantization import quantize_for_decoding
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.ops_hfgpt import one_row_conv1d, one_row_product
-from hfgpt.modeling.quantization import quantize_for_decoding
 
 pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
 

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel
+
 from . import native
 from .huge_pages import gather_into_huge_pages
-from .modeling_hfgpt import GPTBlock, GPTPreTrainedModel
-from .ops_hfgpt import (
+from .ops import (
     FEW_ROWS,
     fast_product_applies,
     few_rows_product,
