@@ -1,4 +1,4 @@
-"""hfgpt's C kernels (`modeling/csrc/`), built on first use with the machine's C compiler and loaded with
+"""hfgpt's C kernels (`cpu/csrc/`), built on first use with the machine's C compiler and loaded with
 ctypes: no build step at install time and no torch headers, so a build takes about a second.
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
@@ -8,6 +8,16 @@ changed source or another machine sharing the folder builds its own copy. It is 
 temporary name and renamed into place, so that two processes building at once (pytest-xdist) never load
 a half-written file.
 
+Loading a library runs its code in this process, so the cache is only trusted as a careful build cache
+would (OpenSSH's StrictModes): the folders it makes are 0700; the cache folder and the library must be
+owned by this user (or root) and writable by no one else (a group write bit is allowed for the user's own
+private group, as a umask of 002 makes); each folder above must be owned by this user or root and be
+writable by no one else, or sticky (as /tmp). Where that fails, one warning names the path and the
+reason, and this process builds its kernels into a private temporary folder (mkdtemp, 0700, removed at
+exit) instead; where even that one fails, callers run torch. The cache path is made absolute once per
+setting (a relative `HFGPT_CACHE_DIR` against the working folder of its first use; a relative
+`XDG_CACHE_HOME` is ignored, as the XDG spec asks), so a later chdir never moves it.
+
 Its OpenMP calls use the runtime torch has already loaded where both are GNU's (`libgomp.so.1`, as
 torch's Linux wheels and gcc have): one pool of threads. A compiler with another OpenMP runtime (clang's
 libomp) still works, with a second pool beside torch's. Where there is no compiler, `kernel()` returns
@@ -16,6 +26,7 @@ the same arithmetic; `HFGPT_NATIVE=0` (read at the first call) does the same wit
 `CC` may hold arguments (`CC="ccache gcc"`).
 """
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -23,6 +34,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -135,10 +147,149 @@ class NativeBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    if os.environ.get("HFGPT_CACHE_DIR"):
-        return Path(os.environ["HFGPT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hfgpt"
+    """Where the compiled libraries go, as an absolute path: `$HFGPT_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/hfgpt` (an absolute XDG_CACHE_HOME only: the XDG spec has a relative one ignored),
+    else `~/.cache/hfgpt`. A relative HFGPT_CACHE_DIR is resolved against the working folder at the first
+    call with that setting, and stays there: a later chdir does not move the cache."""
+    return _absolute_cache_dir(
+        os.environ.get("HFGPT_CACHE_DIR", ""), os.environ.get("XDG_CACHE_HOME", ""), os.path.expanduser("~")
+    )
+
+
+@functools.cache
+def _absolute_cache_dir(configured: str, xdg_cache_home: str, home: str) -> Path:
+    if configured:
+        return Path(os.path.abspath(os.path.expanduser(configured)))
+    if os.path.isabs(xdg_cache_home):
+        return Path(os.path.abspath(xdg_cache_home)) / "hfgpt"
+    return Path(os.path.abspath(os.path.join(home, ".cache", "hfgpt")))
+
+
+class _Untrusted(Exception):
+    """A path this process must not load a library from: `path`, and `reason` (a phrase)."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
+
+
+# Ownership and modes are POSIX's; elsewhere (Windows) the checks below pass everything.
+_POSIX = hasattr(os, "geteuid")
+
+
+@functools.cache
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's own group (the user private groups of Debian, Ubuntu and Fedora, under
+    which a umask of 002 leaves files group-writable): the user's primary group, named as the user, with
+    no other listed member."""
+    import grp
+    import pwd
+
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def _refusal(info: os.stat_result, holds_libraries: bool) -> str | None:
+    """Why a folder (or, with `holds_libraries`, the cache folder or a library in it) is not to be trusted,
+    or None: another user than this one and root owns it, or others can write to it. A folder above the
+    cache may be writable by others where it is sticky (/tmp): no one else may rename or remove what this
+    user made in it. The cache folder may not: anyone could put a library there under the name that
+    `build` will look for."""
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"is owned by another user (uid {info.st_uid})"
+    mode = info.st_mode
+    writable = bool(mode & stat.S_IWOTH) or bool(mode & stat.S_IWGRP and not _private_group(info.st_gid))
+    if writable and (holds_libraries or not mode & stat.S_ISVTX):
+        who = "others" if mode & stat.S_IWOTH else f"group {info.st_gid}"
+        return f"is writable by {who} (mode {stat.S_IMODE(mode):o})"
+    return None
+
+
+def _trusted_folder(directory: Path, create: bool) -> Path:
+    """`directory` with its symbolic links resolved, checked from the root down (and, with `create`, its
+    missing folders made 0700 on the way). Raises `_Untrusted` for the first folder that fails `_refusal`,
+    `NativeBuildError` where a folder cannot be made."""
+    path = Path(os.path.realpath(directory))
+    if not _POSIX:
+        if create:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise NativeBuildError(f"cannot write the compiled kernel into {path}: {error}") from error
+        return path
+    folders = [*reversed(path.parents), path]
+    for folder in folders:
+        try:
+            info = os.lstat(folder)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:  # made by someone else in between: checked below as any other
+                pass
+            except OSError as error:
+                raise NativeBuildError(f"cannot write the compiled kernel into {path}: {error}") from error
+            info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode):  # (a symbolic link here appeared after realpath)
+            raise _Untrusted(folder, "is not a folder")
+        reason = _refusal(info, holds_libraries=folder == path)
+        if reason is not None:
+            raise _Untrusted(folder, reason)
+    return path
+
+
+def _library_refusal(path: Path) -> str | None:
+    """Why the library file `path` (in a trusted folder) is not to be loaded, or None."""
+    if not _POSIX:
+        return None
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    return _refusal(info, holds_libraries=True)
+
+
+@functools.cache
+def _private_folder() -> Path:
+    """This process's own build folder (mkdtemp: 0700, a name no one can predict), removed at exit; raises
+    `_Untrusted` where even it fails the checks (a TMPDIR that another user controls)."""
+    path = Path(tempfile.mkdtemp(prefix="hfgpt-kernels-"))
+    atexit.register(shutil.rmtree, path, True)
+    return _trusted_folder(path, create=False)
+
+
+@functools.cache
+def _instead_of(directory: Path, refusal: str) -> Path:
+    """The private folder to build into instead of the refused cache `directory`, with one warning per
+    cache folder and reason."""
+    try:
+        private = _private_folder()
+    except _Untrusted as error:
+        raise NativeBuildError(
+            f"the kernel cache {directory} is not safe to load from ({refusal}), nor is a private temporary "
+            f"folder ({error})"
+        ) from error
+    warnings.warn(
+        f"hfgpt does not load C kernels from {directory}: {refusal}, so another user could put code there "
+        f"that this process would run. This process builds them into the private folder {private} "
+        "instead (make the cache folder this user's and writable by it alone, e.g. `chmod 700`, or set "
+        "HFGPT_CACHE_DIR to such a folder)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return private
+
+
+def _build_folder(directory: Path) -> Path:
+    """`directory` made and checked (`_trusted_folder`), or the private folder where it fails."""
+    try:
+        return _trusted_folder(directory, create=True)
+    except _Untrusted as error:
+        return _instead_of(Path(os.path.abspath(directory)), str(error))
 
 
 def _compiler() -> list[str]:
@@ -178,12 +329,18 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
     ):
         key.update(part)
         key.update(b"\0")
-    directory = cache_dir() if directory is None else directory
+    directory = _build_folder(cache_dir() if directory is None else directory)
     target = directory / f"{name}-{platform.machine()}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
+    if os.path.lexists(target):
+        refusal = _library_refusal(target)
+        if refusal is None:
+            return target
+        warnings.warn(
+            f"hfgpt does not load the C kernel {target}: it {refusal}; building it afresh in its place",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=directory)
         os.close(fd)
     except OSError as error:
@@ -194,6 +351,7 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
         if result.returncode != 0:
             message = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
             raise NativeBuildError(f"`{' '.join(command)}` failed (exit {result.returncode}):\n{message}")
+        os.chmod(tmp, 0o755)  # (the linker makes its output with the umask's mode: 0775 under umask 002)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeBuildError(f"`{' '.join(command)}` failed: {error}") from error
@@ -204,7 +362,17 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
 
 
 def load(path: Path, name: str) -> ctypes.CDLL:
-    """Load a library built by `build(name)` and declare its functions; checks the int8 weight layout."""
+    """Load a library built by `build(name)` and declare its functions; checks the int8 weight layout.
+    Raises `NativeBuildError` where the file, its folder or a folder above fails the cache's checks (see
+    the module's docstring)."""
+    path = Path(os.path.realpath(path))
+    try:
+        _trusted_folder(path.parent, create=False)
+        refusal = _library_refusal(path)
+    except _Untrusted as error:
+        raise NativeBuildError(f"refusing to load {path}: {error}") from error
+    if refusal is not None:
+        raise NativeBuildError(f"refusing to load {path}: it {refusal}")
     library = ctypes.CDLL(str(path))  # (after torch: its OpenMP runtime is loaded, for the library to share)
     for function, (restype, argtypes) in SIGNATURES[name].items():
         getattr(library, function).restype = restype

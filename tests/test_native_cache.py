@@ -1,0 +1,282 @@
+"""The C kernels' build cache (cpu/native.py) loads only what this user built: a library that another user
+could have put under the expected name (in a folder that others can write to or own, or as a file they
+own or can write) is never loaded; the process warns once and builds into a private temporary folder
+instead. The cache path is made absolute once, so it never follows the working folder.
+
+"Another user" is uid 12345 where the tests run as root (chown); elsewhere the tests that need chown are
+skipped, and the others use a folder that others can write to, which is refused whoever owns it."""
+
+import os
+import shutil
+import stat
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hfgpt.cpu import native
+
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the kernels with"
+)
+needs_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to another user needs root"
+)
+pytestmark = needs_cc
+
+OTHER_UID = 12345
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+
+__attribute__((constructor)) static void planted(void)
+{
+    const char *marker = getenv("HFGPT_PLANTED_MARKER");
+    if (marker != NULL) {
+        FILE *f = fopen(marker, "w");
+        if (f != NULL) {
+            fputs("the planted library ran\n", f);
+            fclose(f);
+        }
+    }
+}
+"""
+
+
+def _clear_caches() -> None:
+    native.kernel.cache_clear()
+    native._absolute_cache_dir.cache_clear()
+    native._private_folder.cache_clear()
+    native._instead_of.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_native_state(monkeypatch, tmp_path):
+    """Each test resolves the cache path, picks its private folder and loads its kernels afresh, with a
+    marker path that the planted library's constructor would write."""
+    _clear_caches()
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HFGPT_NATIVE", raising=False)
+    monkeypatch.setenv("HFGPT_PLANTED_MARKER", str(tmp_path / "planted-library-ran"))
+    yield tmp_path / "planted-library-ran"
+    _clear_caches()
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory) -> Path:
+    """A shared library whose constructor writes the file named by $HFGPT_PLANTED_MARKER."""
+    folder = tmp_path_factory.mktemp("planted")
+    (folder / "planted.c").write_text(PLANTED_C)
+    compiler = [*(os.environ.get("CC") or "cc").split(), "-shared", "-fPIC"]
+    subprocess.run([*compiler, "-o", str(folder / "planted.so"), str(folder / "planted.c")], check=True)
+    return folder / "planted.so"
+
+
+@pytest.fixture(scope="module")
+def gelu_name(tmp_path_factory) -> str:
+    """The file name `build("gelu")` looks for in any cache folder (it does not depend on the folder)."""
+    return native.build("gelu", directory=tmp_path_factory.mktemp("reference-cache")).name
+
+
+def _plant(planted_library: Path, folder: Path, name: str, owner: int | None = OTHER_UID) -> Path:
+    """The planted library copied into `folder` under `name`, owned by `owner` where the tests run as root."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
+    shutil.copy(planted_library, target)
+    if owner is not None and os.geteuid() == 0:
+        os.chown(target, owner, owner)
+    return target
+
+
+def _shared_folder(path: Path, mode: int = 0o1777, owner: int | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    if owner is not None:
+        os.chown(path, owner, owner)
+    return path
+
+
+def _assert_genuine_gelu(library, not_in: Path) -> None:
+    """`library` is the gelu kernel built from csrc (it answers its own entry point), not from `not_in`."""
+    assert library is not None
+    assert not Path(library._name).is_relative_to(not_in)
+    assert library.hfgpt_gelu_vectorized() in (0, 1)
+
+
+def test_a_library_planted_in_a_folder_writable_by_others_is_not_loaded(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+):
+    """A shared cache folder (1777, as /tmp) holding a library under the expected name: the kernel is built
+    into a private temporary folder instead, with one warning naming the folder and the reason."""
+    shared = _shared_folder(tmp_path / "shared")
+    planted = _plant(planted_library, shared, gelu_name)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(shared))
+    with pytest.warns(
+        RuntimeWarning, match=r"does not load C kernels from .*shared: .*writable by others \(mode 1777\)"
+    ):
+        library = native.kernel("gelu")
+    assert not fresh_native_state.exists(), "the planted library's constructor ran"
+    _assert_genuine_gelu(library, not_in=shared)
+    private = Path(library._name).parent
+    assert private == native._private_folder()
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == os.geteuid()
+    assert planted.read_bytes() == planted_library.read_bytes()  # left alone, not loaded
+    with pytest.raises(native.NativeBuildError, match=r"refusing to load .*shared.* writable by others"):
+        native.load(planted, "gelu")
+    assert not fresh_native_state.exists()
+
+
+def test_the_warning_comes_once_for_all_kernels(monkeypatch, tmp_path):
+    shared = _shared_folder(tmp_path / "shared", 0o777)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(shared))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.kernel("gelu") is not None and native.kernel("dropout") is not None
+    assert [str(w.message).split(":")[0] for w in caught] == [f"hfgpt does not load C kernels from {shared}"]
+    assert list(shared.iterdir()) == []  # nothing was built there either
+
+
+def test_a_library_replaced_in_a_world_writable_folder_is_not_loaded(
+    monkeypatch, tmp_path, planted_library, fresh_native_state
+):
+    """A cache folder of this user's with mode 0777: the library it built there is replaced by another
+    user's, which this process does not load."""
+    cache = _shared_folder(tmp_path / "cache", 0o777)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
+    built = native.build("gelu", directory=native._private_folder())
+    _plant(planted_library, cache, built.name)
+    with pytest.warns(RuntimeWarning, match=r"writable by others \(mode 777\)"):
+        library = native.kernel("gelu")
+    assert not fresh_native_state.exists()
+    _assert_genuine_gelu(library, not_in=cache)
+
+
+def test_xdg_cache_home_in_a_shared_folder_gets_a_private_hfgpt_folder(monkeypatch, tmp_path):
+    """XDG_CACHE_HOME pointing at a shared sticky folder: hfgpt/ is made there 0700 and used (the sticky
+    bit keeps others from renaming or removing it)."""
+    shared = _shared_folder(tmp_path / "shared")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    monkeypatch.delenv("HFGPT_CACHE_DIR")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        library = native.kernel("gelu")
+    assert Path(library._name).parent == shared / "hfgpt"
+    assert stat.S_IMODE((shared / "hfgpt").stat().st_mode) == 0o700
+
+
+@needs_root
+def test_xdg_cache_home_with_another_users_hfgpt_folder_is_not_loaded_from(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+):
+    """XDG_CACHE_HOME in a shared sticky folder where another user made hfgpt/ first (0755, theirs) and put
+    a library in it."""
+    shared = _shared_folder(tmp_path / "shared")
+    theirs = _shared_folder(shared / "hfgpt", 0o755, owner=OTHER_UID)
+    _plant(planted_library, theirs, gelu_name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    monkeypatch.delenv("HFGPT_CACHE_DIR")
+    with pytest.warns(RuntimeWarning, match=rf"{theirs} is owned by another user \(uid {OTHER_UID}\)"):
+        library = native.kernel("gelu")
+    assert not fresh_native_state.exists()
+    _assert_genuine_gelu(library, not_in=shared)
+
+
+@needs_root
+def test_a_folder_above_the_cache_owned_by_another_user_is_refused(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+):
+    """A cache folder of this user's (0700) inside another user's folder: they could rename it and put
+    their own in its place."""
+    theirs = _shared_folder(tmp_path / "alice", 0o755, owner=OTHER_UID)
+    cache = _shared_folder(theirs / "cache", 0o700)
+    _plant(planted_library, cache, gelu_name, owner=None)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
+    with pytest.warns(RuntimeWarning, match=rf"{theirs} is owned by another user \(uid {OTHER_UID}\)"):
+        library = native.kernel("gelu")
+    assert not fresh_native_state.exists()
+    _assert_genuine_gelu(library, not_in=theirs)
+
+
+@needs_root
+@pytest.mark.parametrize("problem", ["owner", "mode"])
+def test_a_library_file_of_another_user_or_writable_by_others_is_rebuilt(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state, problem
+):
+    """A trusted cache folder (this user's, 0700) holding a library file that another user owns, or that
+    others can write: it is not loaded but built afresh in its place."""
+    cache = _shared_folder(tmp_path / "cache", 0o700)
+    planted = _plant(planted_library, cache, gelu_name, owner=OTHER_UID if problem == "owner" else None)
+    if problem == "mode":
+        os.chmod(planted, 0o757)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
+    reason = rf"owned by another user \(uid {OTHER_UID}\)" if problem == "owner" else r"writable by others"
+    with pytest.warns(RuntimeWarning, match=rf"does not load the C kernel {planted}: it is {reason}"):
+        library = native.kernel("gelu")
+    assert not fresh_native_state.exists()
+    assert library is not None and Path(library._name) == planted
+    info = planted.stat()
+    assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o755
+    assert planted.read_bytes() != planted_library.read_bytes()
+
+
+def test_the_folders_it_makes_are_private(monkeypatch, tmp_path):
+    """Every missing folder on the way to the cache is made 0700, whatever the umask."""
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path / "a" / "b" / "cache"))
+    before = os.umask(0o002)
+    try:
+        library = native.kernel("gelu")
+    finally:
+        os.umask(before)
+    assert Path(library._name).parent == tmp_path / "a" / "b" / "cache"
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "cache"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert stat.S_IMODE(Path(library._name).stat().st_mode) == 0o755  # not 0775 under umask 002
+
+
+def test_a_relative_cache_path_is_made_absolute_once(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+):
+    """A relative HFGPT_CACHE_DIR is resolved against the working folder of its first use; a later chdir
+    (into a folder holding a planted library under that relative path) does not move it."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    _plant(planted_library, second / "kernels", gelu_name, owner=None)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", "kernels")
+    monkeypatch.chdir(first)
+    assert native.cache_dir() == first / "kernels"
+    monkeypatch.chdir(second)
+    assert native.cache_dir() == first / "kernels"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        library = native.kernel("gelu")
+    assert Path(library._name) == first / "kernels" / gelu_name
+    assert not fresh_native_state.exists()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(
+    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+):
+    """The XDG spec: a relative XDG_CACHE_HOME is invalid and ignored, so ~/.cache/hfgpt is used, not a
+    folder below wherever the process runs."""
+    _plant(planted_library, tmp_path / "work" / "cache" / "hfgpt", gelu_name, owner=None)
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    monkeypatch.delenv("HFGPT_CACHE_DIR")
+    assert native.cache_dir() == tmp_path / "home" / ".cache" / "hfgpt"
+    library = native.kernel("gelu")
+    assert Path(library._name).parent == tmp_path / "home" / ".cache" / "hfgpt"
+    assert not fresh_native_state.exists()
+
+
+def test_without_a_trusted_private_folder_the_kernel_steps_aside(monkeypatch, tmp_path):
+    """A refused cache and a TMPDIR that others can write to (not sticky): nothing is built or loaded, and
+    callers run torch after one warning."""
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(_shared_folder(tmp_path / "shared", 0o777)))
+    monkeypatch.setattr("tempfile.tempdir", str(_shared_folder(tmp_path / "tmp", 0o777)))
+    with pytest.warns(
+        RuntimeWarning, match=r"(?s)not available.*nor is a private temporary folder .*tmp is writable"
+    ):
+        assert native.kernel("gelu") is None
