@@ -11,23 +11,37 @@ checkpoint: weights, config, generation config, tokenizer, model card (README.md
 
 Data-parallel: `accelerate launch --multi_gpu --num_processes N -m hfgpt.scripts.train_lm ...` (see the README).
 
+SIGTERM (a scheduler's preemption, `kill`, `docker stop`) during training is not fatal: the run finishes the
+step it is in, saves a Trainer checkpoint (`<output_dir>/checkpoint-<step>`, whatever `--save_strategy`
+says), skips the final evaluation and export, and exits with status 143 (128 + SIGTERM), printing the
+checkpoint to resume from with `--resume_from_checkpoint` (resumption is exact: the same weights as an
+uninterrupted run). Under `accelerate launch` the processes agree at each step whether any of them got
+the signal, so all stop after the same step, each exits with 143 once all have saved, and the launcher
+reports their 143 (its own exit status is 1). Before training starts and after its last step, SIGTERM
+ends the process as usual.
+
 Exit status: 0 after training; 2 for bad input, before training starts: a usage error from the argument
 parser, or a data / model / `--push_to_hub` problem printed as one `error: ...` line naming the file,
 column or value at fault; also 2 for a `--push_to_hub` upload that fails after training, whose message
-says the checkpoint is saved.
+says the checkpoint is saved; 143 after a SIGTERM during training, once its checkpoint is saved.
 """
 
 import ast
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 from transformers import (
@@ -41,6 +55,7 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hfgpt.modeling  # noqa: F401  (registers hfgpt with the Auto classes)
 from hfgpt.cpu.runtime import keep_freed_memory
@@ -400,14 +415,106 @@ def push_checkpoint(training_args: TrainingArguments, target: HubTarget) -> str:
     return info.commit_url
 
 
+# hfgpt-train's exit status after a SIGTERM during training, once its checkpoint is saved (128 + SIGTERM,
+# as a shell reports a process that SIGTERM ended).
+EXIT_INTERRUPTED = 128 + signal.SIGTERM
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped at a step boundary on SIGTERM, after saving `checkpoint` (a Trainer checkpoint
+    folder to pass to `--resume_from_checkpoint`)."""
+
+    def __init__(self, checkpoint: Path, step: int, max_steps: int):
+        super().__init__(
+            f"SIGTERM during training: stopped after step {step} of {max_steps} and saved the checkpoint "
+            f"{checkpoint}; resume with the same arguments and --resume_from_checkpoint {checkpoint}"
+        )
+        self.checkpoint, self.step = checkpoint, step
+
+
+class StopOnSigterm(TrainerCallback):
+    """Turns a SIGTERM during `trainer.train()` into a clean stop: `handling_sigterm()` installs a handler
+    that only notes the signal; at the next step end, the callback asks Trainer to save a checkpoint and
+    stop (no evaluation on the way out), and records the folder in `checkpoint`.
+
+    Under data parallelism every process takes part in the same decision at every step end (a one-number
+    all-reduce, on the CPU through gloo where it can), so they all stop after the same step: one process
+    stopping alone would leave the others waiting in their next gradient all-reduce."""
+
+    def __init__(self) -> None:
+        self.requested = False  # a SIGTERM arrived (in this process)
+        self.stopping = False  # the checkpoint of this step is being saved, then training stops
+        self.checkpoint: Path | None = None
+        self._group: Any = None
+
+    @contextlib.contextmanager
+    def handling_sigterm(self) -> Iterator[None]:
+        """The SIGTERM handler, in place for the block (the main thread's only: elsewhere Python cannot
+        set one, and the signal keeps its usual effect); the previous one is restored after it."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._note_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _note_sigterm(self, signum: int, frame: object) -> None:
+        self.requested = True  # (nothing more in a signal handler: Trainer acts at the step's end)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.world_size > 1 and torch.distributed.is_initialized():
+            # A CPU group, so that the per-step vote never waits for a GPU's queued work.
+            if torch.distributed.get_backend() == "gloo":
+                self._group = torch.distributed.group.WORLD
+            else:
+                try:
+                    self._group = torch.distributed.new_group(backend="gloo")
+                except (RuntimeError, ValueError):  # a torch without gloo: vote on the training device
+                    self._group = None
+
+    def _any_process_requested(self, args) -> bool:
+        if not (args.world_size > 1 and torch.distributed.is_initialized()):
+            return self.requested
+        on_cpu = self._group is not None
+        vote = torch.tensor([int(self.requested)], device="cpu" if on_cpu else args.device)
+        group = self._group if on_cpu else None
+        torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(vote.item())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.stopping and self._any_process_requested(args):
+            self.stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+            control.should_evaluate = False
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.stopping and self.checkpoint is None:
+            self.checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.stopping:  # the step's checkpoint is saved: no end-of-epoch evaluation or second save
+            control.should_save = False
+            control.should_evaluate = False
+        return control
+
+
 def train_lm(
     model_args: ModelArguments,
     data_args: DataArguments,
     training_args: TrainingArguments,
     callbacks: list[TrainerCallback] | None = None,
+    stop_on_sigterm: bool = False,
 ) -> dict[str, Any]:
     """Train, evaluate, save a complete checkpoint to `training_args.output_dir`, optionally push it.
-    Returns the metrics (train_loss, eval_loss, perplexity, ...)."""
+    Returns the metrics (train_loss, eval_loss, perplexity, ...).
+
+    With `stop_on_sigterm` (hfgpt-train's), a SIGTERM during training saves a Trainer checkpoint at the
+    next step boundary and raises `TrainingInterrupted` naming it (see the module's docstring)."""
     target = hub_target(training_args)
     set_seed(training_args.seed)
 
@@ -427,6 +534,7 @@ def train_lm(
         raw = load_raw_splits(data_args, training_args.seed)
         lm_data = pack_blocks(raw, tokenizer, data_args.text_column, block_size)
 
+    sigterm = StopOnSigterm() if stop_on_sigterm else None
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -434,9 +542,15 @@ def train_lm(
         eval_dataset=lm_data["validation"],
         data_collator=default_data_collator,
         processing_class=tokenizer,
-        callbacks=callbacks,
+        callbacks=[*(callbacks or []), sigterm] if sigterm is not None else callbacks,
     )
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    with sigterm.handling_sigterm() if sigterm is not None else contextlib.nullcontext():
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if sigterm is not None and sigterm.checkpoint is not None:
+        # Every process has written its part of the checkpoint (its RNG state) before any exits: a launcher
+        # ends the others as soon as one process exits with an error status.
+        trainer.accelerator.wait_for_everyone()
+        raise TrainingInterrupted(sigterm.checkpoint, trainer.state.global_step, trainer.state.max_steps)
     metrics = {**result.metrics, "train_steps": trainer.state.global_step}
     eval_metrics = trainer.evaluate()
     eval_metrics["perplexity"] = math.exp(min(eval_metrics["eval_loss"], 700.0))
@@ -477,10 +591,14 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_warning()
     keep_freed_memory_on_cpu(model_args.keep_freed_memory, training_args)
     try:
-        metrics = train_lm(model_args, data_args, training_args)
+        metrics = train_lm(model_args, data_args, training_args, stop_on_sigterm=True)
     except TrainingInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as err:
+        if training_args.process_index == 0:
+            print(f"interrupted: {err}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     # One line per process, so a data-parallel run shows that every process trained.
     print(
         f"[process {training_args.process_index}/{training_args.world_size}] trained "

@@ -6,9 +6,12 @@ import json
 import math
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from hfgpt.modeling import GPTForCausalLM
 from hfgpt.modeling.finetune import TrainingInputError
 from hfgpt.scripts.demo import build_char_tokenizer
-from hfgpt.scripts.train_lm import DataArguments, load_raw_splits, main, make_parser, pack_blocks, train_lm
+from hfgpt.scripts.train_lm import (
+    DataArguments,
+    TrainingInterrupted,
+    load_raw_splits,
+    main,
+    make_parser,
+    pack_blocks,
+    train_lm,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "n_embd=32,n_layer=2,n_head=2,n_positions=32"
@@ -398,3 +409,104 @@ def test_dataset_name_loads_through_datasets(tmp_path, corpus):
     raw = load_raw_splits(data_args, seed=0)
     assert (raw["train"].num_rows, raw["validation"].num_rows) == (100, 20)
     assert train_lm(model_args, data_args, training_args)["train_steps"] == 1
+
+
+# --- SIGTERM: a checkpoint at the next step boundary, then a documented exit ---------------------------
+
+
+class SigtermDuring(TrainerCallback):
+    """Sends this process a SIGTERM while step `step` runs, and records the evaluations."""
+
+    def __init__(self, step: int):
+        self.step, self.evaluations = step, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.evaluations += 1
+        return control
+
+
+def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_stops(tmp_path, corpus):
+    """In-process (`train_lm(stop_on_sigterm=True)`, as hfgpt-train runs it): the step under way finishes,
+    its checkpoint is saved although --save_strategy would not save it, the evaluation due at that step
+    and the final export are skipped, and the previous SIGTERM handler is back afterwards."""
+    noted: list[int] = []
+
+    def guard(signum, frame):  # in place around the run: a SIGTERM that reached it would not kill pytest
+        noted.append(signum)
+
+    original = signal.signal(signal.SIGTERM, guard)
+    try:
+        stopper = SigtermDuring(3)
+        argv = _argv(corpus, tmp_path / "out", "--max_steps", "50", "--eval_strategy", "steps")
+        argv += ["--eval_steps", "3", "--save_strategy", "steps", "--save_steps", "100"]
+        with pytest.raises(TrainingInterrupted, match=r"stopped after step 3 of 50") as interrupted:
+            train_lm(*_parse(argv), callbacks=[stopper], stop_on_sigterm=True)
+        handler_after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert noted == [] and handler_after is guard  # train_lm's handler took the signal, then gave way
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    assert interrupted.value.checkpoint == checkpoint and interrupted.value.step == 3
+    assert f"--resume_from_checkpoint {checkpoint}" in str(interrupted.value)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"):
+        assert (checkpoint / name).is_file(), name
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 3
+    assert stopper.evaluations == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-3"]  # no final export
+
+
+def test_hfgpt_train_on_sigterm_exits_143_naming_a_checkpoint_that_resumes_exactly(tmp_path, corpus):
+    """The command line in a subprocess, sent SIGTERM once it logs its first loss: exit status 143 and a
+    message naming the checkpoint; resuming from it to step N gives the weights of a straight run of N
+    steps (a constant learning rate, so that the interrupted run's step budget does not matter)."""
+    common = ("--eval_strategy", "no", "--lr_scheduler_type", "constant", "--logging_steps", "1")
+    out = tmp_path / "run"
+    argv = _argv(corpus, out, "--max_steps", "100000", "--save_strategy", "no", *common)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "hfgpt.scripts.train_lm", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    watchdog = threading.Timer(240, proc.kill)  # (reading stdout has no timeout of its own)
+    watchdog.start()
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "'loss'" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(seen) + rest
+    assert proc.returncode == 143, output[-3000:]
+    match = re.search(
+        r"interrupted: SIGTERM during training: .* --resume_from_checkpoint (\S+)$", output, re.M
+    )
+    assert match, output[-3000:]
+    checkpoint = Path(match.group(1))
+    assert checkpoint.parent == out and checkpoint.name.startswith("checkpoint-")
+    step = int(checkpoint.name.removeprefix("checkpoint-"))
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
+    assert not (out / "model.safetensors").exists()  # the final export is skipped
+
+    steps = str(step + 2)
+    resume = ("--resume_from_checkpoint", str(checkpoint))
+    metrics = train_lm(
+        *_parse(_argv(corpus, out, "--max_steps", steps, "--save_strategy", "no", *common, *resume))
+    )
+    assert metrics["train_steps"] == step + 2
+    train_lm(
+        *_parse(_argv(corpus, tmp_path / "straight", "--max_steps", steps, "--save_strategy", "no", *common))
+    )
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(out / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0, msg=key)
