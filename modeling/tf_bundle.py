@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack
@@ -42,6 +44,8 @@ __all__ = [
     "TensorBundleWriter",
     "data_file_name",
     "masked_crc32c",
+    "open_regular_file",
+    "read_regular_file",
     "snappy_decompress",
     "unmask_crc32c",
 ]
@@ -57,6 +61,53 @@ class CorruptCheckpointError(CheckpointError):
     """The bytes on disk are damaged: a checksum mismatch, a truncated file, a broken table."""
 
     exit_code = 4
+
+
+# --- reading files that may be hostile -------------------------------------------------------------------
+
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a folder",
+}
+
+
+def open_regular_file(path: str | Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (after following links).
+
+    Opened non-blocking, so a FIFO does not wait for a writer, and refused by what ``fstat`` says about
+    the opened file itself: FIFOs, devices such as ``/dev/zero`` and sockets raise CheckpointError.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            raise CheckpointError(f"{path} is {what}, not a regular file; refusing to read it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """All bytes of the regular file ``path``, refused when it holds more than ``limit`` bytes.
+
+    Reads at most ``limit + 1`` bytes whatever the file claims, so a file that grows while it is read
+    cannot make this read without end.
+    """
+    fd = open_regular_file(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise CheckpointError(
+            f"{path} holds {max(size, len(data))} bytes or more; a file of this kind holds at most {limit}"
+        )
+    return data
 
 
 # --- checksums ------------------------------------------------------------------------------------------
@@ -168,6 +219,10 @@ _TF_DTYPE_IDS = {name: number for number, name in _TF_DTYPES.items()}
 _TF_DTYPE_NAMES = {7: "string", 8: "complex64", 18: "complex128", 20: "resource", 21: "variant"}
 
 
+# TensorFlow's own limit on a tensor's rank (TensorShape kMaxRank); it also bounds the work of a shape's size.
+MAX_RANK = 254
+
+
 def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype("<u2") if name == "bfloat16" else np.dtype(name).newbyteorder("<")
 
@@ -219,6 +274,10 @@ class BundleEntry:
             raise CheckpointError(f"tensor {name!r} has unsupported TensorFlow dtype {label}")
         if unknown_rank or any(d < 0 for d in shape):
             raise CheckpointError(f"tensor {name!r} has an unknown shape")
+        if len(shape) > MAX_RANK:
+            raise CheckpointError(
+                f"tensor {name!r} has {len(shape)} dimensions; at most {MAX_RANK} are supported"
+            )
         return cls(name, _TF_DTYPES[dtype_id], tuple(shape), shard_id, offset, size, crc)
 
     def serialize(self) -> bytes:
@@ -268,6 +327,10 @@ def snappy_decompress(data: bytes | memoryview) -> bytes:
     """
     data = memoryview(data)
     length, pos = _read_varint(data, 0)
+    # An element yields at most 64 bytes from at least 3 (a copy), so no valid stream expands more than
+    # ~21x: a larger claimed length is damage, and the output never grows past the claimed length.
+    if length > 22 * len(data):
+        raise CorruptCheckpointError(f"snappy: {len(data)} bytes cannot decompress to the {length} claimed")
     out = bytearray()
     end = len(data)
     while pos < end:
@@ -283,6 +346,8 @@ def snappy_decompress(data: bytes | memoryview) -> bytes:
             size += 1
             if pos + size > end:
                 raise CorruptCheckpointError("snappy: literal runs past the end of the input")
+            if len(out) + size > length:
+                raise CorruptCheckpointError(f"snappy: decompresses past the {length} bytes its header says")
             out += data[pos : pos + size]
             pos += size
             continue
@@ -300,6 +365,8 @@ def snappy_decompress(data: bytes | memoryview) -> bytes:
             pos += 4
         if pos > end or offset == 0 or offset > len(out):
             raise CorruptCheckpointError("snappy: copy offset outside the decompressed data")
+        if len(out) + size > length:
+            raise CorruptCheckpointError(f"snappy: decompresses past the {length} bytes its header says")
         start = len(out) - offset
         if offset >= size:
             out += out[start : start + size]
@@ -361,10 +428,15 @@ def _decode_handle(data: bytes, pos: int = 0) -> tuple[int, int, int]:
     return offset, size, pos
 
 
-def read_table(path: str | Path) -> dict[bytes, bytes]:
-    """All key/value pairs of an SSTable file, in key order."""
+# The largest index a bundle may have: OpenAI's are a few KiB (1558M: ~8 KiB); a bundle of a million
+# tensors would need ~100 MB.
+MAX_INDEX_SIZE = 1 << 28
+
+
+def read_table(path: str | Path, limit: int = MAX_INDEX_SIZE) -> dict[bytes, bytes]:
+    """All key/value pairs of an SSTable file, in key order (a file of more than ``limit`` bytes is refused)."""
     path = Path(path)
-    table = path.read_bytes()
+    table = read_regular_file(path, limit)
     try:
         return _read_table(table, path)
     except CorruptCheckpointError as exc:
@@ -509,11 +581,22 @@ class TensorBundleReader:
     this process again, so converting a large checkpoint tensor by tensor keeps a small footprint.
     """
 
-    def __init__(self, prefix: str | Path):
+    def __init__(
+        self,
+        prefix: str | Path,
+        *,
+        data: bool = True,
+        check_file: Callable[[Path], None] | None = None,
+    ):
+        """``data=False`` reads the index alone (shapes, dtypes, where each tensor lies): the data shards
+        need not exist, and :meth:`get` is unavailable. ``check_file`` is called on each file's path
+        before it is opened (a policy on links, say); it raises to refuse the file."""
         self.prefix = Path(prefix)
+        self._check_file = check_file or (lambda path: None)
         index_path = Path(f"{self.prefix}.index")
-        if not index_path.is_file():
+        if not index_path.exists():
             raise CheckpointError(f"missing checkpoint index {index_path}")
+        self._check_file(index_path)
         table = read_table(index_path)
         if b"" not in table:
             raise CorruptCheckpointError(f"{index_path}: no bundle header (empty key) in the index")
@@ -529,19 +612,26 @@ class TensorBundleReader:
                 self.entries[name] = BundleEntry.parse(name, value)
             except (UnicodeDecodeError, CorruptCheckpointError) as exc:
                 raise CorruptCheckpointError(f"{index_path}: entry {key!r}: {exc}") from exc
-        self.data_files = []
-        for shard in range(self.num_shards):  # stops at the first missing shard, however many are claimed
+        self.has_data = data
+        self.data_files: list[Path] = []
+        sizes: dict[int, int] = {}
+        for shard in range(self.num_shards if data else 0):  # stops at the first missing shard
             path = data_file_name(self.prefix, shard, self.num_shards)
-            if not path.is_file():
+            if not path.exists():
                 raise CheckpointError(
                     f"missing checkpoint data shard {path} ({index_path} names {self.num_shards} shards)"
                 )
+            self._check_file(path)
+            fd = open_regular_file(path)
+            try:
+                sizes[shard] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
             self.data_files.append(path)
-        self._check_entries()
+        self._check_entries(sizes if data else None)
         self._maps: dict[int, mmap.mmap] = {}
 
-    def _check_entries(self) -> None:
-        sizes = {shard: path.stat().st_size for shard, path in enumerate(self.data_files)}
+    def _check_entries(self, sizes: dict[int, int] | None) -> None:
         for entry in self.entries.values():
             if not 0 <= entry.shard_id < self.num_shards:
                 raise CorruptCheckpointError(f"tensor {entry.name!r}: shard {entry.shard_id} does not exist")
@@ -551,7 +641,11 @@ class TensorBundleReader:
                     f"tensor {entry.name!r}: {entry.size} bytes stored, but shape {list(entry.shape)} "
                     f"of {entry.dtype} needs {expected}"
                 )
-            if entry.offset < 0 or entry.offset + entry.size > sizes[entry.shard_id]:
+            if entry.offset < 0:
+                raise CorruptCheckpointError(
+                    f"tensor {entry.name!r} lies at a negative offset {entry.offset}"
+                )
+            if sizes is not None and entry.offset + entry.size > sizes[entry.shard_id]:
                 path = self.data_files[entry.shard_id]
                 raise CorruptCheckpointError(
                     f"tensor {entry.name!r} lies at bytes {entry.offset}..{entry.offset + entry.size} of "
@@ -584,9 +678,16 @@ class TensorBundleReader:
         return len(self.entries)
 
     def _map(self, shard: int) -> mmap.mmap:
+        if not self.has_data:
+            raise CheckpointError(f"{self.prefix}: opened from its index alone (data=False); no tensor data")
         if shard not in self._maps:
-            with open(self.data_files[shard], "rb") as f:
-                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            path = self.data_files[shard]
+            self._check_file(path)
+            fd = open_regular_file(path)
+            try:
+                self._maps[shard] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)  # the map keeps its own reference to the file
         return self._maps[shard]
 
     def get(self, name: str, verify: bool = True) -> np.ndarray:

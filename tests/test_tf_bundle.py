@@ -1,6 +1,7 @@
 """The TensorFlow V2 bundle reader/writer against the checkpoint TensorFlow's own Saver wrote."""
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hfgpt.modeling.tf_bundle import (
+    MAX_INDEX_SIZE,
     BundleEntry,
     CheckpointError,
     CorruptCheckpointError,
@@ -249,3 +251,49 @@ def test_bundle_of_empty_tensors_only(tmp_path):
     assert data_file_name(tmp_path / "m", 0, 1).stat().st_size == 0
     with TensorBundleReader(tmp_path / "m") as reader:
         assert reader.get("empty").shape == (0, 4)
+
+
+# --- hostile files ------------------------------------------------------------------------------------------
+
+
+def test_snappy_stream_claiming_more_than_it_can_hold():
+    with pytest.raises(CorruptCheckpointError, match="cannot decompress to the"):
+        snappy_decompress(b"\xff\xff\xff\xff\x0f" + b"\x00a")  # claims 4 GiB from 7 bytes
+    with pytest.raises(CorruptCheckpointError, match="past the 3 bytes its header says"):
+        snappy_decompress(b"\x03\x0cabcd")  # a literal of 4 bytes where 3 were promised
+
+
+def test_an_index_entry_of_too_many_dimensions():
+    entry = BundleEntry("w", "float32", (1,) * 300, 0, 0, 4, 0)
+    with pytest.raises(CheckpointError, match="'w' has 300 dimensions; at most 254"):
+        BundleEntry.parse("w", entry.serialize())
+
+
+def test_the_index_alone(tmp_path):
+    shutil.copyfile(PREFIX.with_suffix(".ckpt.index"), tmp_path / "model.ckpt.index")
+    with TensorBundleReader(tmp_path / "model.ckpt", data=False) as reader:
+        assert reader.entries == TensorBundleReader(PREFIX).entries
+        with pytest.raises(CheckpointError, match="opened from its index alone"):
+            reader.get("model/wte")
+    with pytest.raises(CheckpointError, match="missing checkpoint data shard"):
+        TensorBundleReader(tmp_path / "model.ckpt")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "too large"])
+def test_files_that_are_not_plain_or_small_are_refused(tmp_path, kind):
+    prefix = copy_bundle(tmp_path)
+    index = Path(f"{prefix}.index")
+    if kind == "fifo":
+        index.unlink()
+        os.mkfifo(index)  # a plain open() would wait for a writer
+        match = "model.ckpt.index is a FIFO \\(named pipe\\), not a regular file"
+    elif kind == "device":
+        data_file_name(prefix, 0, 1).unlink()
+        data_file_name(prefix, 0, 1).symlink_to("/dev/zero")
+        match = "data-00000-of-00001 is a character device, not a regular file"
+    else:
+        with open(index, "ab") as f:
+            f.truncate(MAX_INDEX_SIZE + 1)
+        match = f"holds {MAX_INDEX_SIZE + 1} bytes or more"
+    with pytest.raises(CheckpointError, match=match):
+        TensorBundleReader(prefix)
