@@ -1,29 +1,44 @@
 """Speed and memory of hfgpt beside transformers' own GPT-2 / GPT-1, on identical random weights.
 
-What is measured (issue 7), each as a ratio against the peer in the same run:
+What is measured, each as a ratio against transformers' model in the same run (the sections):
 
 * prefill: a forward over B x T tokens, with logits at every position and at the last one only
   (`logits_to_keep=1`), in float32 and inside bfloat16 autocast, tokens/s and model FLOPs utilisation
-  against the measured matmul rate of that precision;
-* decoding: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
-  new tokens/s, the generated tokens checked identical; beside it the bandwidth floor of one step
-  (weight bytes / measured memory read rate, at the start of the run and, from a read probe timed
-  between the decoding runs, in the same minutes) and lower-precision variants (bfloat16, int8 weights);
-* a training step: forward, backward and fused AdamW, s/step and MFU, in float32 and inside bfloat16
-  autocast (MFU against the bf16 matmul rate; CPUs with bf16 instructions run it several times faster);
-* peak memory of each of those, every measurement in its own subprocess (peak RSS on CPU,
-  `torch.cuda.max_memory_allocated` on CUDA);
-* `StaticCache` + `torch.compile` generation (compile time reported separately).
+  (MFU) against the measured matmul rate of that precision;
+* decode: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
+  new tokens/s, the generated tokens checked identical, beside the bandwidth floor of one step (the
+  weight bytes a step reads / the measured memory read rate);
+* lowp: decoding copies at batch size 1 (`quantize_for_decoding`: float32, bfloat16, int8), with their
+  accuracy cost against the float32 model (logit error, top-1 and greedy agreement);
+* train: forward, backward and fused AdamW, s/step and MFU, in float32 and inside bfloat16 autocast;
+* memory: peak memory of a training step, a prefill and a decoding run, each in a fresh subprocess
+  (peak RSS on the CPU, `torch.cuda.max_memory_allocated` on CUDA);
+* compile: `StaticCache` + `torch.compile` generation of both models (compile time reported apart).
 
-Timings on a shared machine drift, so hfgpt and the peer are run interleaved (ours, peer, peer, ours,
-...) and the medians and the spread (min-max) are reported. Run `python benchmarks/bench_model.py
---help`; `--quick` fits a 2-core machine in a few minutes, `--tiny` is the test suite's smoke run.
+Other ways to make the same model fast run beside them as extra contenders (`--peers`), so that the
+backend is judged against them and not only against eager transformers: the plain hfgpt model (hfgpt's
+CPU backend taken out, `hfgpt.cpu.unkernelize`) under `torch.compile` in prefill and training, and in
+the lowp section torchao's int8 (dynamic int8 activations, int8 weights, compiled) and CTranslate2's
+int8 generator on the same weights (`pip install 'hfgpt[bench]'`).
+
+Timings on a shared machine drift, so the contenders run interleaved (A B, B A, ...) and the medians and
+spreads (min-max) are reported; the matmul and read rates are also timed between the model runs, so
+each utilisation figure can be set against the machine's speed in the same minutes.
+
+    python benchmarks/bench_model.py --json-dir benchmarks     # the full run: figures-cpu-<section>.json
+    python benchmarks/bench_model.py --quick                    # fewer repeats and tokens
+    python benchmarks/bench_model.py --tiny --peers none        # the test suite's smoke run
+    python benchmarks/bench_model.py --figures benchmarks       # the full table of the saved figures
+    python benchmarks/bench_model.py --summary                  # the README's table of them
+    python benchmarks/bench_model.py --plot                     # the README's chart of them
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
+import importlib.util
 import json
 import math
 import os
@@ -48,8 +63,10 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers import logging as hf_logging
+from transformers.pytorch_utils import Conv1D
 
 from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu import unkernelize
 from hfgpt.cpu.huge_pages import huge_page_buffer
 from hfgpt.cpu.quantization import quantize_for_decoding
 from hfgpt.cpu.runtime import keep_freed_memory
@@ -58,9 +75,18 @@ from hfgpt.modeling.interop import to_transformers, to_transformers_config
 
 FAMILIES = ("gpt2", "gpt1")
 SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
+# Other routes to a fast model, timed as extra contenders (`--peers`): the plain hfgpt model under
+# torch.compile (prefill, train), torchao's int8 and CTranslate2's int8 generator (lowp). The last two
+# need `pip install 'hfgpt[bench]'`.
+PEERS = ("compile", "torchao", "ctranslate2")
+PEER_PACKAGES = {"torchao": "torchao", "ctranslate2": "ctranslate2"}
+# The contenders' names in the figures (a row's `impl`).
+COMPILED = "torch.compile"
+TORCHAO = "torchao int8"
+CTRANSLATE2 = "ctranslate2 int8"
 
-# Sizes per profile. `full` is the issue's list; `quick` trims repeats and decoding length so the whole
-# run fits a few minutes on 2 cores; `tiny` shrinks the models themselves (hidden 32, 2 layers).
+# Sizes per profile. `full` gives the published figures; `quick` trims repeats and decoding length; `tiny`
+# shrinks the models themselves (hidden 32, 2 layers) for the test suite's smoke runs.
 PROFILES: dict[str, dict[str, Any]] = {
     "full": dict(
         prefill_shapes=[(1, 512), (4, 256)],
@@ -129,6 +155,126 @@ def build_peer(ours: GPTForCausalLM) -> PreTrainedModel:
     return peer.to(ours.device)
 
 
+def plain_hfgpt(model: GPTForCausalLM) -> GPTForCausalLM:
+    """A copy of `model` that computes the plain model file: hfgpt's CPU backend taken out
+    (`hfgpt.cpu.unkernelize`), attention on transformers' sdpa."""
+    return unkernelize(copy.deepcopy(model))
+
+
+def compiled_plain_hfgpt(model: GPTForCausalLM) -> nn.Module:
+    """`plain_hfgpt(model)` under `torch.compile` (inductor, default mode): what compiling the model file
+    gives without hfgpt's backend. It compiles on its first call (the warm-up, untimed)."""
+    return torch.compile(plain_hfgpt(model))
+
+
+def conv1d_as_linear(model: nn.Module) -> nn.Module:
+    """Turn every transformers `Conv1D` of `model` into the equivalent `nn.Linear` (the weight
+    transposed), in place: torchao's `quantize_` replaces `nn.Linear` layers only."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                linear = nn.Linear(child.weight.shape[0], child.weight.shape[1], device=child.weight.device)
+                linear.weight = nn.Parameter(child.weight.detach().t().contiguous())
+                linear.bias = nn.Parameter(child.bias.detach().clone())
+                setattr(module, name, linear)
+    return model
+
+
+def torchao_int8(model: GPTForCausalLM) -> tuple[GPTForCausalLM, dict[str, Any]]:
+    """torchao's int8 copy of the plain model: `quantize_` with `Int8DynamicActivationInt8WeightConfig`
+    (int8 weights per channel, activations quantised per token at run time) on every linear layer, the
+    tied LM head included (the embedding lookup stays float32); `generate()` then compiles its decoding
+    step with a static cache, as torchao's own examples run it. Returns the copy and the `generate()`
+    arguments that turn compilation on."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    quantized = conv1d_as_linear(plain_hfgpt(model)).eval()
+    quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
+    quantized.generation_config.compile_config = compile_config
+    return quantized, {"cache_implementation": "static"}
+
+
+@dataclass
+class Decoder:
+    """A contender of the lowp section: its logits for a batch of ids, and greedy decoding from
+    left-padded prompts (the new tokens only)."""
+
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    greedy: Callable[[dict[str, torch.Tensor], int], torch.Tensor]
+
+
+def module_decoder(model: nn.Module, **generate_kwargs: Any) -> Decoder:
+    return Decoder(
+        logits=lambda ids: model(ids).logits.float(),
+        greedy=lambda prompts, new: greedy(model, prompts, new, **generate_kwargs),
+    )
+
+
+def ctranslate2_int8(peer: PreTrainedModel) -> Decoder | None:
+    """CTranslate2's int8 generator on `peer`'s weights (transformers' `GPT2LMHeadModel`, which
+    `ctranslate2.converters.TransformersConverter` converts; it has no converter for GPT-1, so None
+    there). Weights int8 per output channel, `compute_type="int8"`, on torch's thread count.
+
+    The converter reads a tokenizer only for its vocabulary; random weights have none, so the vocabulary
+    is the token ids written as strings, and prompts go in and tokens come out as ids."""
+    if not isinstance(peer, GPT2LMHeadModel):
+        return None
+    import tempfile
+
+    import ctranslate2
+    import numpy as np
+
+    class IdVocabulary:
+        """What the converter's GPT-2 loader reads from a tokenizer."""
+
+        def __init__(self, size: int, eos: int) -> None:
+            self.size, self.bos_token = size, str(eos)
+            self.eos_token = self.unk_token = self.bos_token
+
+        def get_vocab(self) -> dict[str, int]:
+            return {str(i): i for i in range(self.size)}
+
+    class Converter(ctranslate2.converters.TransformersConverter):
+        def load_tokenizer(self, *args: Any, **kwargs: Any) -> IdVocabulary:
+            config = peer.config
+            eos = config.eos_token_id if config.eos_token_id is not None else config.vocab_size - 1
+            return IdVocabulary(config.vocab_size, min(eos, config.vocab_size - 1))
+
+    with tempfile.TemporaryDirectory(prefix="hfgpt-bench-ct2-") as tmp:
+        peer.save_pretrained(f"{tmp}/transformers")
+        Converter(f"{tmp}/transformers").convert(f"{tmp}/ctranslate2", quantization="int8")
+        generator = ctranslate2.Generator(
+            f"{tmp}/ctranslate2", device="cpu", compute_type="int8", intra_threads=torch.get_num_threads()
+        )
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(generator.forward_batch(ids.tolist()))).float()
+
+    def generate(prompts: dict[str, torch.Tensor], new: int) -> torch.Tensor:
+        rows = [
+            [str(token) for token, keep in zip(ids.tolist(), mask.tolist(), strict=True) if keep]
+            for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"], strict=True)
+        ]
+        # end_token=[]: no token ends a row, so every run is exactly `new` steps (as eos_token_id=None).
+        results = generator.generate_batch(
+            rows, max_length=new, end_token=[], include_prompt_in_result=False, sampling_topk=1
+        )
+        return torch.tensor([result.sequences_ids[0] for result in results])
+
+    return Decoder(logits=logits, greedy=generate)
+
+
+def missing_peer_packages(peers: tuple[str, ...]) -> list[str]:
+    """The packages `peers` need that cannot be imported here."""
+    return [
+        PEER_PACKAGES[peer]
+        for peer in peers
+        if peer in PEER_PACKAGES and importlib.util.find_spec(PEER_PACKAGES[peer]) is None
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------
 # FLOPs and the hardware limits
 
@@ -171,8 +317,8 @@ def matmul_shapes(tiny: bool) -> list[tuple[int, int, int]]:
 def matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """`a @ b` by each library torch offers here: `torch.mm` (MKL's sgemm for float32 on the CPU) and,
     for float32 on a CPU with oneDNN, oneDNN's product (what hfgpt runs, `use_onednn_products`). The
-    machine's matmul rate is the best of them: on this project's AMD CPU oneDNN's float32 rate is the
-    higher, so an MFU against MKL's alone would flatter hfgpt."""
+    machine's matmul rate is the best of them: where oneDNN's float32 rate is the higher (as on AMD
+    CPUs), an MFU against MKL's alone would flatter hfgpt."""
     kernels = {"torch.mm": lambda: a @ b}
     if a.device.type == "cpu" and a.dtype == torch.float32 and ops_hfgpt._ONEDNN_LINEAR is not None:
         b_t = b.t().contiguous()
@@ -197,10 +343,9 @@ READ_PROBE_SUMS = 3  # sums of the buffer per probe run
 
 
 def read_buffer(numel: int, device: str, huge_pages: bool = True) -> torch.Tensor:
-    """Ones to stream with a `sum`. On the CPU by default in transparent huge pages, where the host
-    reads fastest (this project's host: 62.6 against 39.7 GB/s from 4 KiB pages in one process): the
-    decoding floor is then the strictest one, and hfgpt's decoding copies keep their weights that way
-    too (`quantize_for_decoding`)."""
+    """Ones to stream with a `sum`. On the CPU by default in transparent huge pages, which a CPU reads
+    faster than 4 KiB pages (one TLB miss every 2 MiB): the decoding floor is then the strictest one,
+    and hfgpt's decoding copies keep their weights that way too (`quantize_for_decoding`)."""
     if device != "cpu" or not huge_pages:
         return torch.ones(numel, device=device)
     return huge_page_buffer(numel * 4)[0].view(torch.float32).fill_(1.0)
@@ -210,8 +355,7 @@ def read_probe(nbytes: int, device: str) -> tuple[Callable[[], Any], int]:
     """`measure_hardware`'s way of timing the read rate, a `sum` streaming a `read_buffer` (here of the
     model's weight bytes, `READ_PROBE_SUMS` times a run, no warm-up of its own), as a contender for
     `interleaved`, with the bytes it reads: timed between the decoding runs, it gives the read rate, and
-    so the decoding floor, of those same minutes (the host's bandwidth moved between 30 and 74 GB/s
-    across this project's runs)."""
+    so the decoding floor, of those same minutes (a shared host's bandwidth moves with its load)."""
     buffer = read_buffer(max(nbytes // 4, 1), device)
 
     def probe() -> None:
@@ -356,8 +500,8 @@ def greedy(
     model: nn.Module, prompts: dict[str, torch.Tensor], new_tokens: int, **kwargs: Any
 ) -> torch.Tensor:
     # eos_token_id=None keeps every run at exactly `new_tokens` steps even when a row picks EOS. (Not
-    # min_new_tokens: its logits processor scans the whole vocabulary at every step, ~0.6 ms of a GPT-2
-    # step here, for both models alike, that a plain generate() call does not spend.)
+    # min_new_tokens: its logits processor scans the whole vocabulary at every step, for both models
+    # alike, time that a plain generate() call does not spend.)
     return model.generate(
         **prompts,
         do_sample=False,
@@ -389,22 +533,44 @@ class Row:
 
 
 def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
-    """Forwards in float32 and inside bfloat16 autocast (MFU against the matmul rate of that precision)."""
+    """Forwards in float32 and inside bfloat16 autocast (MFU against the matmul rate of that precision);
+    with the `compile` peer, the compiled plain model beside them in float32."""
     rows = []
+    compiled = compiled_plain_hfgpt(ours) if "compile" in ctx.peers else None
     for batch, seq_len in ctx.profile["prefill_shapes"]:
         ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
         for precision, dtype in (("", None), (", bf16 autocast", torch.bfloat16)):
             with torch.inference_mode(), autocast_to(ids.device, dtype):
-                err = (ours(ids).logits.float() - peer(ids).logits.float()).abs().max().item()
+                reference = ours(ids).logits.float()
+                err = (reference - peer(ids).logits.float()).abs().max().item()
+                # (the same call as `_forward`'s, so that this first call is the one that compiles)
+                compiled_err = (
+                    (compiled(ids).logits.float() - reference).abs().max().item()
+                    if compiled is not None and dtype is None
+                    else None
+                )
             for keep, label in ((0, "all logits"), (1, "last logits")):
                 fns = {
                     "hfgpt": lambda m=ours, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
                     "transformers": lambda m=peer, k=keep, x=ids, d=dtype: _forward(m, x, k, d),
                 }
+                extra_of = {}
+                if compiled_err is not None:
+                    fns[COMPILED] = lambda m=compiled, k=keep, x=ids: _forward(m, x, k)
+                    extra_of[COMPILED] = {"max_abs_logit_diff_from_hfgpt": compiled_err}
                 flops = forward_flops(ours.config, batch, seq_len, seq_len if keep == 0 else 1)
                 case = f"B={batch}x{seq_len}, {label}{precision}"
                 rows += utilisation_rows(
-                    ctx, "prefill", family, case, fns, batch * seq_len, flops, dtype, max_abs_logit_diff=err
+                    ctx,
+                    "prefill",
+                    family,
+                    case,
+                    fns,
+                    batch * seq_len,
+                    flops,
+                    dtype,
+                    extra_of=extra_of,
+                    max_abs_logit_diff=err,
                 )
     return rows
 
@@ -419,11 +585,13 @@ def utilisation_rows(
     flops: float,
     dtype: torch.dtype | None,
     step_time: bool = False,
+    extra_of: dict[str, dict[str, Any]] | None = None,
     **extra: Any,
 ) -> list[Row]:
     """Times `fns` (`with_probes`) and gives one prefill or training row per implementation: tokens/s,
     and the MFU against the matmul rate of `dtype` (float32 for None), the run's and the one timed
-    between the model runs; `extra` adds the rows' own figures, `step_time` each row's s/step."""
+    between the model runs; `extra` adds the rows' own figures (`extra_of` one contender's),
+    `step_time` each row's s/step."""
     timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
     peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
     return [
@@ -438,6 +606,7 @@ def utilisation_rows(
             mfu=flops / timing.median / ctx.hardware[peak_key],
             extra={
                 **extra,
+                **(extra_of or {}).get(impl, {}),
                 **({"s_per_step": timing.median} if step_time else {}),
                 "flops": flops,
                 "peak_key": peak_key,
@@ -509,24 +678,34 @@ def _no_grad(fn: Callable, *args: Any) -> Any:
 def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
     """Decoding copies (B=1): bfloat16 weights, int8 (`Int8Linear`) and, on the CPU, the float32
     `DecodingLinear` copy (all from `quantize_for_decoding`), against float32 hfgpt and transformers,
-    with the accuracy cost: logit error on a prefill and greedy agreement."""
+    with the accuracy cost: logit error on a prefill and greedy agreement; with the `torchao` and
+    `ctranslate2` peers, their int8 decoding beside them (CTranslate2 converts GPT-2 only)."""
     new = ctx.profile["new_tokens"]
     prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
-    variants: dict[str, nn.Module] = {"hfgpt fp32": ours, "transformers fp32": peer}
+    variants: dict[str, Decoder] = {
+        "hfgpt fp32": module_decoder(ours),
+        "transformers fp32": module_decoder(peer),
+    }
     if ctx.device == "cpu":
-        variants["hfgpt bf16"] = quantize_for_decoding(ours, torch.bfloat16)
-        variants["hfgpt int8"] = quantize_for_decoding(ours)
-        variants["hfgpt fp32 copy"] = quantize_for_decoding(ours, torch.float32)
+        variants["hfgpt bf16"] = module_decoder(quantize_for_decoding(ours, torch.bfloat16))
+        variants["hfgpt int8"] = module_decoder(quantize_for_decoding(ours))
+        variants["hfgpt fp32 copy"] = module_decoder(quantize_for_decoding(ours, torch.float32))
+        if "torchao" in ctx.peers:
+            quantized, kwargs = torchao_int8(ours)
+            variants[TORCHAO] = module_decoder(quantized, **kwargs)
+        if "ctranslate2" in ctx.peers and (decoder := ctranslate2_int8(peer)) is not None:
+            variants[CTRANSLATE2] = decoder
     else:
-        variants["hfgpt bf16"] = copy.deepcopy(ours).to(torch.bfloat16)
+        variants["hfgpt bf16"] = module_decoder(copy.deepcopy(ours).to(torch.bfloat16))
     ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)), device=ctx.device)
     with torch.inference_mode():
         reference = ours(ids).logits.float()
         ref_tokens = greedy(ours, prompts, new)
         accuracy = {}
-        for name, model in variants.items():
-            logits = model(ids).logits.float()
-            tokens = greedy(model, prompts, new)
+        # Each variant's first greedy run here is also its warm-up (and where torchao's step compiles).
+        for name, decoder in variants.items():
+            logits = decoder.logits(ids).to(reference.device)
+            tokens = decoder.greedy(prompts, new).to(ref_tokens.device)
             agree = (tokens == ref_tokens).float()
             first_diff = int((agree == 0).nonzero()[0, 1]) if (agree == 0).any() else new
             accuracy[name] = {
@@ -536,7 +715,7 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                 "greedy_token_agreement": agree.mean().item(),
                 "greedy_first_divergence": first_diff,
             }
-    fns = {name: (lambda m=model: _no_grad(greedy, m, prompts, new)) for name, model in variants.items()}
+    fns = {name: (lambda d=decoder: _no_grad(d.greedy, prompts, new)) for name, decoder in variants.items()}
     rows = []
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
@@ -580,6 +759,8 @@ def make_train_step(
 
 
 def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    """Training steps in float32 and inside bfloat16 autocast; with the `compile` peer, the compiled plain
+    model's step beside them in float32 (compiled on the warm-up step, forward and backward)."""
     batch, seq_len = ctx.profile["train_shape"]
     ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
     flops = 3 * forward_flops(ours.config, batch, seq_len, seq_len)
@@ -589,23 +770,26 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
         # Copies, so the optimizer steps do not change the weights the other sections use.
         a, b = copy.deepcopy(ours), copy.deepcopy(peer)
         fns = {"hfgpt": make_train_step(a, ids, dtype), "transformers": make_train_step(b, ids, dtype)}
+        if "compile" in ctx.peers and dtype is None:
+            fns[COMPILED] = make_train_step(compiled_plain_hfgpt(ours), ids)
         case = f"B={batch}x{seq_len}, {label}, fused AdamW"
         rows += utilisation_rows(
             ctx, "train", family, case, fns, batch * seq_len, flops, dtype, step_time=True
         )
-        del a, b
+        del a, b, fns
     return rows
 
 
 def compile_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
-    """generate() with a StaticCache and the forward compiled by transformers' compile_config.
-    OpenAIGPT has no cache, so for GPT-1 only hfgpt runs here."""
+    """generate() with a StaticCache and the forward compiled by transformers' compile_config, for the
+    plain hfgpt model (`plain_hfgpt`: what compiles is the model file) and transformers' model. OpenAIGPT
+    has no cache, so for GPT-1 only hfgpt runs here."""
     new = ctx.profile["new_tokens"]
     prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
     contenders = {"hfgpt": ours} if family == "gpt1" else {"hfgpt": ours, "transformers": peer}
     fns, compile_s, tokens = {}, {}, {}
     for name, model in contenders.items():
-        model = copy.deepcopy(model).eval()
+        model = (plain_hfgpt(model) if name == "hfgpt" else copy.deepcopy(model)).eval()
         config = CompileConfig(fullgraph=True, mode="default" if ctx.device == "cpu" else "reduce-overhead")
         # transformers compiles automatically on accelerators only; this opts the CPU in as well.
         config._compile_all_devices = True
@@ -776,6 +960,7 @@ class Context:
     tiny: bool
     keep_freed: bool = False
     onednn: bool = True
+    peers: tuple[str, ...] = ()
 
 
 def run(
@@ -787,12 +972,15 @@ def run(
     threads: int | None = None,
     keep_freed: bool = False,
     onednn: bool = True,
+    peers: tuple[str, ...] = PEERS,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (what `--json` writes). `keep_freed` applies
     `keep_freed_memory()` (the training command lines' default) to this process and the memory workers:
     it acts on both contenders alike. `onednn=False` runs hfgpt's float32 CPU products through MKL's
-    `addmm`, as transformers' run (`use_onednn_products(False)`)."""
+    `addmm`, as transformers' run (`use_onednn_products(False)`). `peers` are the other routes to speed
+    timed beside hfgpt (`PEERS`)."""
     hf_logging.set_verbosity_error()
+    started = datetime.datetime.now(datetime.timezone.utc)
     # The setting for this run only; `onednn` becomes what hfgpt's products run on.
     with ops_hfgpt.onednn_products(onednn) as onednn:
         if keep_freed and not keep_freed_memory():
@@ -815,6 +1003,7 @@ def run(
             tiny=tiny,
             keep_freed=keep_freed,
             onednn=onednn,
+            peers=tuple(peers),
         )
         rows: list[Row] = []
         timing_sections = [s for s in sections if s != "memory"]
@@ -845,6 +1034,10 @@ def run(
                 hardware[key] = max(hardware[key], value)
         _rescale(rows, hardware)
         return {
+            # When the run started (UTC): the figures files of one run share it.
+            "started": started.isoformat(timespec="seconds"),
+            "date": started.date().isoformat(),
+            "peers": list(peers),
             "machine": {
                 **machine_info(device),
                 "keep_freed_memory": keep_freed,
@@ -898,7 +1091,14 @@ def format_table(report: dict[str, Any]) -> str:
     hw = report["hardware"]
     m = report["machine"]
     lines = [
-        f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
+        (
+            f"Run of {report['date']}"
+            + (f" ({', '.join(report['sections'])})" if "sections" in report else "")
+            + ". "
+            if "date" in report
+            else ""
+        )
+        + f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`"
         + ("; freed memory kept in the process (`--keep-freed-memory`)" if m.get("keep_freed_memory") else "")
@@ -948,6 +1148,14 @@ def format_table(report: dict[str, Any]) -> str:
             ratio = f"{ours['rate'] / peer['rate']:.2f}x mem"
         notes = _notes(section, ours, peer)
         lines.append(f"| {family} | {section} | {case} | {_cell(ours)} | {_cell(peer)} | {ratio} | {notes} |")
+        for name, other in by_impl.items():  # the other routes to speed (`--peers`), against transformers
+            if name in ("hfgpt", "transformers"):
+                continue
+            ratio = f"{other['rate'] / peer['rate']:.2f}x" if peer else "-"
+            lines.append(
+                f"| {family} | {section} {name} | {case} | {_cell(other)} | {_cell(peer)} | {ratio} | "
+                f"{_peer_notes(section, other)} |"
+            )
     lines.append("")
     lines.append(
         "Ratios: hfgpt / transformers throughput (>1 = hfgpt faster); for memory, hfgpt / transformers "
@@ -965,8 +1173,8 @@ def _best_of(by: dict[str, float] | None, cell: str) -> str:
 
 
 def _same_minutes(extra: dict, key: str) -> str:
-    """The floor at the read rate timed between the decoding runs, where the figures have it (since
-    session 17)."""
+    """The floor at the read rate timed between the decoding runs, where the figures have it (figures
+    written before the read probe existed lack it)."""
     return f", same minutes {extra[key]:.1f}" if key in extra else ""
 
 
@@ -1021,6 +1229,18 @@ def _notes(section: str, ours: dict | None, peer: dict | None) -> str:
     return ""
 
 
+def _peer_notes(section: str, row: dict) -> str:
+    ex = row["extra"]
+    notes = []
+    if "max_abs_logit_diff_from_hfgpt" in ex:
+        notes.append(f"max logit diff from hfgpt {ex['max_abs_logit_diff_from_hfgpt']:.1e}")
+    if "s_per_step" in ex:
+        notes.append(f"{ex['s_per_step']:.2f} s/step")
+    if "mfu_concurrent" in ex:
+        notes.append(f"MFU {100 * ex['mfu_concurrent']:.0f}% against the matmul rate between the runs")
+    return "; ".join(notes)
+
+
 def _concurrent(ours: dict, peer: dict) -> str:
     """The MFU of both against the matmul rate measured between their runs."""
     rate = ours["extra"]["concurrent_matmul_flops_per_s"]
@@ -1060,10 +1280,228 @@ def publish(table: str, report: dict[str, Any], path: Path | None) -> None:
         write_json(path, report)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The figures files, and the README's table and chart made from them
+
+FIGURES_DIR = Path(__file__).resolve().parent  # where the published figures live (benchmarks/)
+
+
+def figures_path(directory: Path, device: str, section: str) -> Path:
+    """The figures file of one section: named by what it measures (`figures-cpu-prefill.json`)."""
+    return Path(directory) / f"figures-{device}-{section}.json"
+
+
+def split_by_section(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One report per section of `report`: that section's rows with the run's date, machine, profile
+    and hardware limits."""
+    head = {key: value for key, value in report.items() if key != "rows"}
+    parts: dict[str, dict[str, Any]] = {}
+    for row in report["rows"]:
+        parts.setdefault(row["section"], {"section": row["section"], **head, "rows": []})["rows"].append(row)
+    return parts
+
+
+def write_sections(directory: Path, report: dict[str, Any]) -> list[Path]:
+    """`report` as one figures file per section in `directory` (`--json-dir`), each replacing the
+    section's previous file."""
+    device = report["machine"]["device"].split(":")[0]
+    paths = []
+    for section, part in split_by_section(report).items():
+        paths.append(figures_path(directory, device, section))
+        write_json(paths[-1], part)
+    return paths
+
+
+def load_figures(directory: Path = FIGURES_DIR, device: str = "cpu") -> dict[str, dict[str, Any]]:
+    """The figures files of `directory` (section -> report), in `SECTIONS` order, for those it has."""
+    paths = {section: figures_path(directory, device, section) for section in SECTIONS}
+    return {section: json.loads(path.read_text()) for section, path in paths.items() if path.exists()}
+
+
+def runs_of(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sections of `figures` grouped by the run that measured them (the same start time; for files
+    without one, the same date and measured hardware limits), each group one report with `sections`."""
+    runs: dict[str, dict[str, Any]] = {}
+    for section, report in figures.items():
+        key = report.get("started") or json.dumps([report.get("date"), report["hardware"]], sort_keys=True)
+        head = {k: v for k, v in report.items() if k not in ("rows", "section")}
+        run_ = runs.setdefault(key, {**head, "sections": [], "rows": []})
+        run_["sections"].append(section)
+        run_["rows"] += report["rows"]
+    return list(runs.values())
+
+
+def figures_table(figures: dict[str, dict[str, Any]]) -> str:
+    """The full tables of the figures files (`--figures`), one per run that measured them."""
+    return "\n\n".join(format_table(run_) for run_ in runs_of(figures))
+
+
+# The README's table, one line a measurement: (label, section, case, contender). A case names a row's
+# case exactly or its beginning up to a comma ("B=1" is "B=1, 64+128 tokens"); each ratio is against
+# transformers' model in the same section and case (in `compile`, transformers compiled too).
+SUMMARY_ROWS: list[tuple[str, str, str, str]] = [
+    ("prefill, B=1 x 512 tokens, float32", "prefill", "B=1x512, all logits", "hfgpt"),
+    ("prefill, B=4 x 256 tokens, float32", "prefill", "B=4x256, all logits", "hfgpt"),
+    (
+        "prefill, B=4 x 256 tokens, bfloat16 autocast",
+        "prefill",
+        "B=4x256, all logits, bf16 autocast",
+        "hfgpt",
+    ),
+    ("training step, B=4 x 256, float32", "train", "B=4x256, fp32, fused AdamW", "hfgpt"),
+    ("training step, B=4 x 256, bfloat16 autocast", "train", "B=4x256, bf16 autocast, fused AdamW", "hfgpt"),
+    ("training step, peak memory (below 1x: less)", "memory", "B=4x256 training step", "hfgpt"),
+    ("greedy decoding, B=1", "decode", "B=1", "hfgpt"),
+    ("greedy decoding, B=8", "decode", "B=8", "hfgpt"),
+    ("decoding copy, float32, B=1", "lowp", "B=1", "hfgpt fp32 copy"),
+    ("decoding copy, bfloat16, B=1", "lowp", "B=1", "hfgpt bf16"),
+    ("decoding copy, int8, B=1", "lowp", "B=1", "hfgpt int8"),
+    ("decoding, both compiled (static cache), B=1", "compile", "B=1", "hfgpt"),
+    ("plain hfgpt + torch.compile: prefill, B=1 x 512", "prefill", "B=1x512, all logits", COMPILED),
+    ("plain hfgpt + torch.compile: training step", "train", "B=4x256, fp32, fused AdamW", COMPILED),
+    ("torchao int8 + torch.compile: decoding, B=1", "lowp", "B=1", TORCHAO),
+    ("CTranslate2 int8: decoding, B=1", "lowp", "B=1", CTRANSLATE2),
+]
+
+
+def _find_row(rows: list[dict], family: str, section: str, case: str, impl: str) -> dict | None:
+    mine = [r for r in rows if (r["family"], r["section"], r["impl"]) == (family, section, impl)]
+    exact = [r for r in mine if r["case"] == case]
+    return (exact or [r for r in mine if r["case"].startswith(case + ",")] or [None])[0]
+
+
+def summary_figures(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """`SUMMARY_ROWS` measured in `figures`: per line its label, section, and per family the contender's
+    figure (text) and its ratio against transformers (None where either is missing)."""
+    rows = [row for report in figures.values() for row in report["rows"]]
+    lines = []
+    for label, section, case, impl in SUMMARY_ROWS:
+        line: dict[str, Any] = {"label": label, "section": section}
+        for family in FAMILIES:
+            row = _find_row(rows, family, section, case, impl)
+            peer_impl = "transformers fp32" if section == "lowp" else "transformers"
+            peer = _find_row(rows, family, section, case, peer_impl)
+            line[family] = {
+                "figure": _summary_cell(row) if row else None,
+                "ratio": row["rate"] / peer["rate"] if row and peer else None,
+            }
+        lines.append(line)
+    return lines
+
+
+def _summary_cell(row: dict) -> str:
+    ex = row["extra"]
+    if row["section"] == "memory":
+        return f"{row['rate']:.2f} GB"
+    if row["section"] in ("prefill", "train"):
+        speed = f"{ex['s_per_step']:.2f} s a step" if "s_per_step" in ex else f"{row['rate']:.0f} tok/s"
+        return speed + (f", MFU {100 * row['mfu']:.0f}%" if row["mfu"] is not None else "")
+    return f"{ex['ms_per_step']:.1f} ms a step"
+
+
+def _run_line(run_: dict[str, Any]) -> str:
+    hw, m = run_["hardware"], run_["machine"]
+    rates = f"float32 matmul {hw['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
+    if "bf16_matmul_flops_per_s" in hw:
+        rates += f", bfloat16 {hw['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
+    rates += f", memory read {hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
+    return (
+        f"{run_.get('date', 'an undated run')}, profile `{run_['profile']}`: {m['cpu']}, {m['threads']} "
+        f"threads ({m['device']}), torch {m['torch']}, transformers {m['transformers']}; measured {rates}"
+    )
+
+
+def summary_table(figures: dict[str, dict[str, Any]]) -> str:
+    """The README's performance table: `SUMMARY_ROWS` from the figures files, with the run (date,
+    machine, versions, measured limits) they come from; "-" where a figure is missing."""
+    runs = runs_of(figures)
+    if len(runs) == 1:
+        header = [f"Measured by `benchmarks/bench_model.py` on {_run_line(runs[0])}."]
+    else:
+        header = [f"Measured by `benchmarks/bench_model.py` in {len(runs)} runs:"] + [
+            f"- {', '.join(run_['sections'])}: {_run_line(run_)}." for run_ in runs
+        ]
+    lines = [
+        *header,
+        "",
+        "| measurement | GPT-2 124M, hfgpt | hfgpt / transformers | GPT-1, hfgpt | hfgpt / transformers |",
+        "|---|---|---|---|---|",
+    ]
+    for line in summary_figures(figures):
+        cells = []
+        for family in FAMILIES:
+            figure, ratio = line[family]["figure"], line[family]["ratio"]
+            cells += [figure or "-", f"{ratio:.2f}x" if ratio is not None else "-"]
+        lines.append(f"| {line['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart_data(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """What `plot_ratios` draws: each summary line's ratios against transformers (peak memory left out:
+    a ratio where less is better does not share an axis with speed-ups)."""
+    return [
+        {"label": line["label"], **{family: line[family]["ratio"] for family in FAMILIES}}
+        for line in summary_figures(figures)
+        if line["section"] != "memory" and any(line[family]["ratio"] is not None for family in FAMILIES)
+    ]
+
+
+def plot_ratios(figures: dict[str, dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """Draw the README's chart: hfgpt / transformers (and the other routes / transformers) per summary
+    line, GPT-2 and GPT-1 side by side on a log axis, into the PNG `path`. The plotted numbers are
+    written into the PNG's `Description` text as JSON, so that a test can check the chart against the
+    figures files. Returns them."""
+    from matplotlib.figure import Figure  # (no pyplot: no global backend state)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    data = chart_data(figures)
+    runs = runs_of(figures)
+    fig = Figure(figsize=(9, 0.42 * len(data) + 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    height = 0.38
+    colours = {"gpt2": "#3b6ea8", "gpt1": "#e08a2c"}
+    names = {"gpt2": "GPT-2 124M", "gpt1": "GPT-1"}
+    for offset, family in ((-height / 2, "gpt2"), (height / 2, "gpt1")):
+        ys = [i + offset for i, line in enumerate(data) if line[family] is not None]
+        values = [line[family] for line in data if line[family] is not None]
+        ax.barh(ys, values, height=height, color=colours[family], label=names[family])
+        for y, value in zip(ys, values, strict=True):
+            ax.annotate(
+                f"{value:.2f}x",
+                (value, y),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ratios = [line[f] for line in data for f in FAMILIES if line[f] is not None] or [1.0]
+    ax.set_xlim(min(0.8, min(ratios) / 1.25), max(ratios) * 1.8)  # room for the labels at the bars' ends
+    ticks = [
+        t for t in (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]
+    ]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_yticks(range(len(data)), [line["label"] for line in data], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("hfgpt / transformers, log scale (right of the line: faster than transformers)")
+    machine = runs[0]["machine"] if runs else {}
+    dates = sorted({run_.get("date", "?") for run_ in runs})
+    ax.set_title(
+        f"hfgpt on {machine.get('cpu', '?')}, {machine.get('threads', '?')} threads, {', '.join(dates)}",
+        fontsize=10,
+    )
+    ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data)})
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="fewer repeats, 32 new tokens (a few minutes)")
+    size.add_argument("--quick", action="store_true", help="fewer repeats, 32 new tokens")
     size.add_argument("--tiny", action="store_true", help="tiny models (hidden 32, 2 layers): a smoke run")
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -1081,18 +1519,61 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="hfgpt's float32 CPU products through MKL's addmm instead of oneDNN (use_onednn_products(False))",
     )
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"other routes to speed timed beside hfgpt: comma list of {','.join(PEERS)}, or none "
+        "(torchao and ctranslate2: pip install 'hfgpt[bench]')",
+    )
+    parser.add_argument(
+        "--json-dir",
+        type=Path,
+        help="write one figures file per section here (figures-<device>-<section>.json)",
+    )
+    parser.add_argument(
+        "--figures",
+        type=Path,
+        nargs="?",
+        const=FIGURES_DIR,
+        help="measure nothing: print the table of the figures files in this folder (default benchmarks/)",
+    )
+    parser.add_argument("--summary", action="store_true", help="with the figures files: the README's table")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        nargs="?",
+        const=FIGURES_DIR / "ratios-cpu.png",
+        help="with the figures files: draw the README's chart to this PNG (default benchmarks/ratios-cpu.png)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one memory measurement
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(memory_worker(json.loads(args.worker))))
         return 0
+    if args.figures or args.summary or args.plot:
+        return show_figures(args.figures or FIGURES_DIR, args.device or "cpu", args.summary, args.plot)
     families = tuple(f for f in args.families.split(",") if f)
     sections = tuple(s for s in args.sections.split(",") if s)
-    for name, given, allowed in (("family", families, FAMILIES), ("section", sections, SECTIONS)):
+    peers = tuple(p for p in args.peers.split(",") if p and p != "none")
+    for name, given, allowed in (
+        ("family", families, FAMILIES),
+        ("section", sections, SECTIONS),
+        ("peer", peers, PEERS),
+    ):
         bad = [x for x in given if x not in allowed]
         if bad:
             print(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}", file=sys.stderr)
             return 2
+    if missing := missing_peer_packages(peers):
+        print(
+            f"error: --peers needs {', '.join(missing)}, not installed here: pip install 'hfgpt[bench]', "
+            "or leave it out of --peers",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json_dir and not args.json_dir.is_dir():
+        print(f"error: --json-dir {args.json_dir} is not an existing folder", file=sys.stderr)
+        return 2
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     report = run(
         profile,
@@ -1103,8 +1584,28 @@ def main(argv: list[str] | None = None) -> int:
         args.threads,
         args.keep_freed_memory,
         onednn=not args.mkl_products,
+        peers=peers,
     )
     publish(format_table(report), report, args.json)
+    if args.json_dir:
+        for path in write_sections(args.json_dir, report):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def show_figures(directory: Path, device: str, summary: bool, plot: Path | None) -> int:
+    """`--figures` / `--summary` / `--plot`: the tables or the chart of saved figures files."""
+    figures = load_figures(directory, device)
+    if not figures:
+        print(f"error: no figures-{device}-<section>.json files in {directory}", file=sys.stderr)
+        return 2
+    if plot:
+        plot_ratios(figures, plot)
+        print(f"wrote {plot}", file=sys.stderr)
+    if summary:
+        print(summary_table(figures))
+    elif not plot:
+        print(figures_table(figures))
     return 0
 
 

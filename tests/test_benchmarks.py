@@ -26,8 +26,8 @@ def tiny_report(bench, tmp_path_factory):
     # GPT-2 through every section but compile (tens of seconds of inductor); GPT-1 through the two
     # where its peer differs most (no logits_to_keep, no KV cache).
     out = tmp_path_factory.mktemp("bench")
-    gpt2 = ["--families", "gpt2", "--sections", "prefill,decode,lowp,train,memory"]
-    gpt1 = ["--families", "gpt1", "--sections", "prefill,decode"]
+    gpt2 = ["--families", "gpt2", "--sections", "prefill,decode,lowp,train,memory", "--peers", "none"]
+    gpt1 = ["--families", "gpt1", "--sections", "prefill,decode", "--peers", "none"]
     assert bench.main(["--tiny", *gpt2, "--json", str(out / "gpt2.json")]) == 0
     assert bench.main(["--tiny", *gpt1, "--json", str(out / "gpt1.json")]) == 0
     report = json.loads((out / "gpt2.json").read_text())
@@ -166,7 +166,16 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
     and the memory workers with it, and says so in the JSON and in the table's first line."""
     out = tmp_path / "kept.json"
     script = Path(bench_model.__file__)
-    argv = ["--tiny", "--families", "gpt2", "--sections", "train,memory", "--keep-freed-memory"]
+    argv = [
+        "--tiny",
+        "--families",
+        "gpt2",
+        "--sections",
+        "train,memory",
+        "--keep-freed-memory",
+        "--peers",
+        "none",
+    ]
     proc = subprocess.run(
         [sys.executable, str(script), *argv, "--json", str(out)], capture_output=True, text=True, check=False
     )
@@ -184,7 +193,8 @@ def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, c
 
     with ops_hfgpt.onednn_products(True) as runs_onednn:
         out = tmp_path / "mkl.json"
-        argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--mkl-products", "--json", str(out)]
+        argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--mkl-products", "--peers", "none"]
+        argv += ["--json", str(out)]
         assert bench_model.main(argv) == 0
         assert json.loads(out.read_text())["machine"]["hfgpt_cpu_products"] == "mkl"
         assert "through MKL (`--mkl-products`)" in capsys.readouterr().out.splitlines()[0]
@@ -240,7 +250,8 @@ def test_json_writes_null_for_figures_not_measured(tmp_path):
 
 def test_memory_rows_have_null_timings_in_the_json_and_the_table_reads_them(tmp_path, capsys):
     out = tmp_path / "memory.json"
-    assert bench_model.main(["--tiny", "--families", "gpt2", "--sections", "memory", "--json", str(out)]) == 0
+    argv = ["--tiny", "--families", "gpt2", "--sections", "memory", "--peers", "none", "--json", str(out)]
+    assert bench_model.main(argv) == 0
     printed = capsys.readouterr().out
     report = _strict_json(out.read_text())
     rows = report["rows"]
@@ -364,3 +375,185 @@ def test_step_breakdown_refuses_bad_arguments_before_building_models(
         step_breakdown.main(["--tiny", *argv])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and not built and message in err and "Traceback" not in err
+
+
+# --- the published figures: one file per section, and what is made from them ---------------------------
+
+# The other scripts' figures files, one each (named by what they measure).
+OTHER_FIGURES = {
+    "ab-cpu-products-gpt1.json",  # ab_cpu_products.py --family gpt1
+    "ab-cpu-products-gpt2.json",  # ab_cpu_products.py --family gpt2
+    "lowp-accuracy-cpu.json",  # lowp_accuracy.py
+    "step-breakdown-gpt2.json",  # step_breakdown.py
+}
+
+
+def test_benchmarks_hold_one_figures_file_per_section_named_by_what_it_measures():
+    folder = Path(bench_model.__file__).parent
+    sections = {f"figures-cpu-{section}.json": section for section in bench_model.SECTIONS}
+    present = {path.name for path in folder.glob("*.json")}
+    assert present <= set(sections) | OTHER_FIGURES, present - set(sections) - OTHER_FIGURES
+    assert set(sections) <= present  # every section of bench_model.py has its current figures
+    for name, section in sections.items():
+        report = json.loads((folder / name).read_text())
+        assert report["section"] == section and report["date"]
+        assert {row["section"] for row in report["rows"]} == {section}
+        assert {"machine", "hardware", "profile"} <= set(report)
+
+
+def test_json_dir_writes_one_figures_file_per_section_of_the_run(tmp_path, capsys):
+    argv = ["--tiny", "--families", "gpt1", "--sections", "prefill,decode", "--peers", "none"]
+    assert bench_model.main([*argv, "--json-dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "figures-cpu-decode.json",
+        "figures-cpu-prefill.json",
+    ]
+    figures = bench_model.load_figures(tmp_path)
+    assert list(figures) == ["prefill", "decode"]
+    started = {report["started"] for report in figures.values()}
+    assert len(started) == 1  # one run: the files share its start, machine and hardware limits
+    assert [run["sections"] for run in bench_model.runs_of(figures)] == [["prefill", "decode"]]
+    # The table of the saved files is the table the run printed.
+    assert bench_model.figures_table(figures).split("\n", 1)[1] in capsys.readouterr().out
+
+
+def test_figures_of_several_runs_are_told_apart():
+    figures = bench_model.load_figures()
+    runs = bench_model.runs_of(figures)
+    assert sorted(section for run in runs for section in run["sections"]) == sorted(figures)
+    summary = bench_model.summary_table(figures)
+    if len(runs) > 1:  # until one run measures every section, the table says which run gave which
+        assert f"in {len(runs)} runs:" in summary
+        for run in runs:
+            assert f"- {', '.join(run['sections'])}: {run['date']}" in summary
+    else:
+        assert f"on {runs[0]['date']}, profile" in summary
+
+
+def test_summary_ratios_are_the_rows_ratios_against_transformers():
+    figures = bench_model.load_figures()
+    rows = [row for report in figures.values() for row in report["rows"]]
+    by_label = {line["label"]: line for line in bench_model.summary_figures(figures)}
+    decode = by_label["greedy decoding, B=1"]["gpt2"]
+    ours = bench_model._find_row(rows, "gpt2", "decode", "B=1", "hfgpt")
+    peer = bench_model._find_row(rows, "gpt2", "decode", "B=1", "transformers")
+    assert ours["case"].startswith("B=1,") and decode["ratio"] == ours["rate"] / peer["rate"]
+    assert decode["figure"] == f"{ours['extra']['ms_per_step']:.1f} ms a step"
+    int8 = by_label["decoding copy, int8, B=1"]["gpt1"]
+    lowp = {r["impl"]: r for r in rows if r["family"] == "gpt1" and r["section"] == "lowp"}
+    assert int8["ratio"] == lowp["hfgpt int8"]["rate"] / lowp["transformers fp32"]["rate"]
+    memory = by_label["training step, peak memory (below 1x: less)"]["gpt2"]
+    assert memory["figure"].endswith(" GB") and memory["ratio"] < 1
+
+
+def test_chart_is_drawn_from_the_figures_files(tmp_path):
+    from PIL import Image
+
+    figures = bench_model.load_figures()
+    data = bench_model.plot_ratios(figures, tmp_path / "chart.png")
+    assert data == bench_model.chart_data(figures) and data
+    assert all(line["label"] != "training step, peak memory (below 1x: less)" for line in data)
+    with Image.open(tmp_path / "chart.png") as image:
+        assert image.format == "PNG" and json.loads(image.info["Description"]) == data
+    # The committed chart was drawn from the committed figures (regenerate: bench_model.py --plot).
+    with Image.open(Path(bench_model.__file__).parent / "ratios-cpu.png") as image:
+        assert json.loads(image.info["Description"]) == data, "stale chart: run bench_model.py --plot"
+
+
+def test_figures_options_measure_nothing_and_refuse_an_empty_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_model, "run", lambda *args, **kwargs: pytest.fail("measured"))
+    assert bench_model.main(["--summary"]) == 0
+    assert capsys.readouterr().out.strip() == bench_model.summary_table(bench_model.load_figures())
+    assert bench_model.main(["--figures"]) == 0
+    assert capsys.readouterr().out.strip() == bench_model.figures_table(bench_model.load_figures())
+    assert bench_model.main(["--figures", str(tmp_path)]) == 2
+    assert f"no figures-cpu-<section>.json files in {tmp_path}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--peers", "onnx"], "error: unknown peer 'onnx'; choose from compile, torchao, ctranslate2"),
+        (["--json-dir", "{missing}"], "is not an existing folder"),
+    ],
+)
+def test_bad_peers_and_json_dir_are_refused_before_running(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_model, "run", lambda *args, **kwargs: pytest.fail("measured"))
+    argv = [a.replace("{missing}", str(tmp_path / "missing")) for a in argv]
+    assert bench_model.main(["--tiny", "--peers", "none", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_peers_without_their_package_are_refused_naming_the_extra(capsys, monkeypatch):
+    monkeypatch.setattr(bench_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(bench_model, "run", lambda *args, **kwargs: pytest.fail("measured"))
+    assert bench_model.main(["--tiny", "--peers", "compile,torchao,ctranslate2"]) == 2
+    err = capsys.readouterr().err
+    assert "--peers needs torchao, ctranslate2, not installed here: pip install 'hfgpt[bench]'" in err
+
+
+# --- the other routes to speed, on tiny models -------------------------------------------------------
+
+TINY = bench_model.PROFILES["tiny"]["model_overrides"]
+
+
+def test_plain_hfgpt_is_a_copy_without_the_cpu_backend():
+    from hfgpt.cpu import enabled_by_default, is_kernelized
+
+    ours = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    plain = bench_model.plain_hfgpt(ours)
+    assert not is_kernelized(plain) and plain.config._attn_implementation == "sdpa"
+    assert is_kernelized(ours) == enabled_by_default()  # the original is untouched
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ctranslate2_int8_decodes_the_same_weights():
+    pytest.importorskip("ctranslate2")
+    ours = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    decoder = bench_model.ctranslate2_int8(bench_model.build_peer(ours).eval())
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
+    with torch.inference_mode():
+        reference = ours(ids).logits
+    logits = decoder.logits(ids)
+    assert logits.shape == reference.shape
+    assert (logits - reference).abs().max() < 0.5  # int8 weights and activations: close, not equal
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+    prompts = bench_model.left_padded_prompts(1, 8, TINY["vocab_size"], 0, "cpu")
+    assert decoder.greedy(prompts, 6).shape == (1, 6)  # exactly the new tokens: no end token stops it
+    # CTranslate2 has no converter for transformers' OpenAIGPT: no GPT-1 row.
+    gpt1 = bench_model.build_ours("gpt1", TINY, "cpu")
+    assert bench_model.ctranslate2_int8(bench_model.build_peer(gpt1)) is None
+
+
+@pytest.mark.slow
+def test_torchao_int8_copy_quantizes_every_linear_layer_and_decodes_compiled():
+    pytest.importorskip("torchao")
+    ours = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    quantized, kwargs = bench_model.torchao_int8(ours)
+    linears = [m for m in quantized.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * TINY["n_layer"] + 1  # c_attn, c_proj, c_fc, mlp c_proj a block, and the head
+    assert all("Int8" in type(m.weight).__name__ for m in linears)
+    assert not any(isinstance(m, bench_model.Conv1D) for m in quantized.modules())
+    assert any(isinstance(m, bench_model.Conv1D) for m in ours.modules())  # the original is untouched
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
+    prompts = bench_model.left_padded_prompts(1, 8, TINY["vocab_size"], 0, "cpu")
+    with torch.inference_mode():
+        assert (quantized(ids).logits - ours(ids).logits).abs().max() < 0.5
+        tokens = bench_model.greedy(quantized, prompts, 6, **kwargs)
+    assert kwargs == {"cache_implementation": "static"} and tokens.shape == (1, 6)
+
+
+@pytest.mark.slow
+def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
+    argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--peers", "compile", "--repeats", "1"]
+    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
+    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    compiled = [r for r in rows if r["impl"] == bench_model.COMPILED]
+    # Timed beside hfgpt and transformers in every float32 case, and nowhere under autocast.
+    float32 = {r["case"] for r in rows if "autocast" not in r["case"]}
+    assert {r["case"] for r in compiled} == float32
+    for row in compiled:
+        assert row["extra"]["max_abs_logit_diff_from_hfgpt"] < 1e-4 and row["rate"] > 0
+    assert "| gpt2 | prefill torch.compile |" in capsys.readouterr().out
