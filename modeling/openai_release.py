@@ -19,12 +19,16 @@ bytes), so peak memory stays near the largest single tensor rather than the whol
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import json
+import math
 import mmap
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +40,15 @@ from huggingface_hub.errors import StrictDataclassError
 
 from hfgpt.tokenization import FINETUNE_TOKENS
 
-from .tf_bundle import CheckpointError, CorruptCheckpointError, TensorBundleReader, TensorBundleWriter
+from .tf_bundle import (
+    MAX_RANK,
+    CheckpointError,
+    CorruptCheckpointError,
+    TensorBundleReader,
+    TensorBundleWriter,
+    open_regular_file,
+    read_regular_file,
+)
 
 __all__ = [
     "CONVERSION_ERRORS",
@@ -55,6 +67,7 @@ __all__ = [
     "detect_release",
     "inspect_release",
     "open_release",
+    "parse_sha256_list",
     "write_gpt1_release",
     "write_gpt2_release",
 ]
@@ -192,6 +205,18 @@ def gpt1_order(n_layer: int) -> list[tuple[str, str, Op]]:
 
 # --- reading the releases ---------------------------------------------------------------------------------
 
+# The most bytes read from each small file of a release. The real ones: checkpoint 77 bytes, hparams.json
+# ~90, params_shapes.json ~4 KiB, encoder.json 1.0 MB, vocab.bpe 456 KB, encoder_bpe_40000.json 816 KB,
+# vocab_40000.bpe 458 KB. Anything far larger is not a release file, and is refused before it is read.
+SMALL_FILE_LIMIT = 1 << 20
+VOCABULARY_FILE_LIMIT = 64 << 20
+
+# Bounds on the sizes a release may declare, checked before anything is built from them. OpenAI's largest
+# release (GPT-2 1558M) has n_layer 48, n_embd 1600, n_head 25, n_ctx 1024, n_vocab 50257; these leave
+# room for far larger models of the same format while keeping a hostile hparams.json (n_layer 10**6,
+# n_embd 2**40) from making the converter build a model before it finds the release does not hold one.
+SIZE_LIMITS = {"n_vocab": 1 << 24, "n_ctx": 1 << 20, "n_embd": 1 << 16, "n_head": 1 << 16, "n_layer": 1 << 8}
+
 
 @dataclass(frozen=True)
 class SourceTensor:
@@ -200,8 +225,63 @@ class SourceTensor:
     shape: tuple[int, ...]
 
 
-def detect_release(source_dir: str | Path) -> ReleaseKind:
-    """Which release ``source_dir`` holds, from its files. Raises ConversionError naming what is wrong."""
+# A Hugging Face cache keeps each file once, in `<cache>/<type>s--<owner>--<name>/blobs/<hash>`, and links
+# it from `snapshots/<revision>/<path>` with a relative link (`../../blobs/<hash>`).
+_HUB_REPO_FOLDER = re.compile(r"(models|datasets|spaces)--.+")
+
+
+def _hub_blobs_folder(root: Path) -> Path | None:
+    """The ``blobs`` folder of the Hub cache repo whose snapshot holds ``root`` (a resolved path), if any."""
+    for folder in (root, *root.parents):
+        if folder.name == "snapshots" and _HUB_REPO_FOLDER.fullmatch(folder.parent.name):
+            return folder.parent / "blobs"
+    return None
+
+
+def check_source_file(root: Path, path: Path) -> None:
+    """Refuse a file of the release folder ``root`` (resolved) that the converter must not read.
+
+    Only regular files are read: FIFOs, devices (``/dev/zero``), sockets and folders are refused. A symbolic
+    link must stay inside the release folder, or, in a Hugging Face cache, point at a file of the ``blobs``
+    folder of the same cached repo (how the Hub's cache lays out every snapshot). Any other link, to
+    ``/etc/shadow`` or to another model's folder, is refused with its target named: the converter copies
+    what it reads into the output, which may be published.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise ConversionError(f"missing release file {path}") from None
+    if stat.S_ISLNK(info.st_mode):
+        target = Path(os.path.realpath(path))
+        blobs = _hub_blobs_folder(root)
+        if not (target.is_relative_to(root) or (blobs is not None and target.parent == blobs)):
+            raise ConversionError(
+                f"{path} is a symbolic link to {target}, outside the release folder {root}; copy the file "
+                "into the folder (links are followed only inside it, or into the blobs folder of the "
+                "Hugging Face cache repo it belongs to)"
+            )
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            raise ConversionError(f"{path} is a broken symbolic link (to {target})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kinds = {
+            stat.S_IFIFO: "a FIFO (named pipe)",
+            stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket",
+            stat.S_IFDIR: "a folder",
+        }
+        what = kinds.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        raise ConversionError(f"{path} is {what}, not a regular file; refusing to read it")
+
+
+def detect_release(source_dir: str | Path, *, weights: bool = True) -> ReleaseKind:
+    """Which release ``source_dir`` holds, from its files. Raises ConversionError naming what is wrong.
+
+    ``weights=False`` (``--inspect``) asks only for the files that describe the tensors: GPT-2's
+    ``model.ckpt.index`` and ``hparams.json``, GPT-1's ``params_shapes.json``.
+    """
     source_dir = Path(source_dir)
     if not source_dir.is_dir():
         what = "is a file, not a release folder" if source_dir.exists() else "does not exist"
@@ -217,51 +297,82 @@ def detect_release(source_dir: str | Path) -> ReleaseKind:
             "release (params_shapes.json, params_0.npy ... params_9.npy, ...)"
         )
     kind: ReleaseKind = "gpt2" if looks_gpt2 else "gpt1"
-    for name in GPT2_FILES if kind == "gpt2" else GPT1_FILES:
+    if weights:
+        required = GPT2_FILES if kind == "gpt2" else GPT1_FILES
+    else:
+        required = ("model.ckpt.index", "hparams.json") if kind == "gpt2" else ("params_shapes.json",)
+    for name in required:
         if name not in names:
             raise ConversionError(f"{source_dir} looks like a {kind.upper()} release but has no {name}")
     return kind
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, limit: int = SMALL_FILE_LIMIT) -> Any:
+    """The JSON value in ``path``: a regular file of at most ``limit`` bytes, UTF-8, not nested too deep."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        return json.loads(read_regular_file(path, limit).decode("utf-8"))
+    except RecursionError:
+        raise ConversionError(f"cannot read {path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as exc:  # ValueError: JSON syntax, UTF-8, an integer of 4300+ digits
         raise ConversionError(f"cannot read {path}: {exc}") from exc
 
 
+def _check_sizes(values: Mapping[str, Any], where: str) -> None:
+    """Each of ``values`` (hyper-parameters by name) is a positive integer within SIZE_LIMITS."""
+    for key, value in values.items():
+        if type(value) is not int or value <= 0:  # not bool, not float
+            raise ConversionError(f"{where}: {key} must be a positive integer")
+        if value > SIZE_LIMITS[key]:
+            raise ConversionError(
+                f"{where}: {key} is {value}, more than the {SIZE_LIMITS[key]} this converter accepts "
+                "(the largest OpenAI release has n_layer 48, n_embd 1600, n_ctx 1024, n_vocab 50257)"
+            )
+
+
 class GPT2Release:
-    """A GPT-2 model folder (``models/124M`` etc.). Opening reads only the index and ``hparams.json``."""
+    """A GPT-2 model folder (``models/124M`` etc.). Opening reads only the index and ``hparams.json``
+    (and ``checkpoint``); ``weights=False`` needs no data shard and no ``checkpoint`` (``--inspect``)."""
 
     kind: ReleaseKind = "gpt2"
 
-    def __init__(self, source_dir: str | Path):
+    def __init__(self, source_dir: str | Path, *, weights: bool = True):
         self.source_dir = Path(source_dir)
-        try:
-            checkpoint = (self.source_dir / "checkpoint").read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConversionError(f"{self.source_dir / 'checkpoint'} is not a text file: {exc}") from exc
-        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', checkpoint, re.M)
-        if match is None:
-            raise ConversionError(f"{self.source_dir / 'checkpoint'}: no model_checkpoint_path line")
-        if Path(match.group(1)).name != "model.ckpt":
-            raise ConversionError(
-                f"{self.source_dir / 'checkpoint'} names checkpoint {match.group(1)!r}; expected model.ckpt"
-            )
-        self.hparams = _read_json(self.source_dir / "hparams.json")
+        self.root = Path(os.path.realpath(self.source_dir))
+        self.weights = weights
+        if weights:
+            path = self._file("checkpoint")
+            try:
+                checkpoint = read_regular_file(path, SMALL_FILE_LIMIT).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConversionError(f"{path} is not a text file: {exc}") from exc
+            match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', checkpoint, re.M)
+            if match is None:
+                raise ConversionError(f"{path}: no model_checkpoint_path line")
+            if Path(match.group(1)).name != "model.ckpt":
+                raise ConversionError(f"{path} names checkpoint {match.group(1)!r}; expected model.ckpt")
+        hparams_path = self._file("hparams.json")
+        self.hparams = _read_json(hparams_path)
         if not isinstance(self.hparams, dict):
-            raise ConversionError(f"{self.source_dir / 'hparams.json'}: expected a JSON object")
-        for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer"):
-            if not isinstance(self.hparams.get(key), int) or self.hparams[key] <= 0:
-                raise ConversionError(f"{self.source_dir / 'hparams.json'}: {key} must be a positive integer")
-        self.bundle = TensorBundleReader(self.source_dir / "model.ckpt")
-        expected = {p.name for p in self.bundle.data_files}
-        for path in self.source_dir.iterdir():
-            if _GPT2_DATA.fullmatch(path.name) and path.name not in expected:
-                raise ConversionError(
-                    f"extra file {path}: the index names {self.bundle.num_shards} data shard(s) "
-                    f"({', '.join(sorted(expected))})"
-                )
+            raise ConversionError(f"{hparams_path}: expected a JSON object")
+        _check_sizes({key: self.hparams.get(key) for key in SIZE_LIMITS}, str(hparams_path))
+        self.bundle = TensorBundleReader(
+            self.source_dir / "model.ckpt",
+            data=weights,
+            check_file=lambda path: check_source_file(self.root, path),
+        )
+        if weights:
+            expected = {p.name for p in self.bundle.data_files}
+            for path in self.source_dir.iterdir():
+                if _GPT2_DATA.fullmatch(path.name) and path.name not in expected:
+                    raise ConversionError(
+                        f"extra file {path}: the index names {self.bundle.num_shards} data shard(s) "
+                        f"({', '.join(sorted(expected))})"
+                    )
+
+    def _file(self, name: str) -> Path:
+        path = self.source_dir / name
+        check_source_file(self.root, path)
+        return path
 
     @property
     def n_layer(self) -> int:
@@ -283,6 +394,21 @@ class GPT2Release:
         return sorted(
             rows, key=lambda r: (self.bundle.entries[r[0]].shard_id, self.bundle.entries[r[0]].offset)
         )
+
+    def files(self) -> list[Path]:
+        """Every file a conversion reads, in the order it reads them."""
+        names = ["checkpoint", "hparams.json", "model.ckpt.index"]
+        names += [p.name for p in self.bundle.data_files]
+        return [self.source_dir / name for name in (*names, "encoder.json", "vocab.bpe")]
+
+    def tensors_in(self, file_name: str) -> list[str]:
+        """The tensors whose bytes lie in the release file ``file_name`` (a data shard), in file order."""
+        shards = [p.name for p in self.bundle.data_files]
+        if file_name not in shards:
+            return []
+        shard = shards.index(file_name)
+        entries = [e for e in self.bundle.entries.values() if e.shard_id == shard]
+        return [e.name for e in sorted(entries, key=lambda e: e.offset)]
 
     def get(self, name: str) -> np.ndarray:
         return self.bundle.get(name)
@@ -321,9 +447,11 @@ class _NpyShard:
     mapped: mmap.mmap | None = None
 
 
-def _npy_header(path: Path) -> tuple[np.dtype, int, int]:
-    """(dtype, element count, byte offset of the data) of a 1-D .npy file, reading only its header."""
-    with open(path, "rb") as f:
+def _npy_header(path: Path) -> tuple[np.dtype, int, int, int]:
+    """(dtype, element count, byte offset of the data, file size) of a 1-D .npy file, reading only its
+    header. Nothing in the file is evaluated beyond numpy's literal parsing of the header (no pickle)."""
+    with os.fdopen(open_regular_file(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         try:
             version = np.lib.format.read_magic(f)
             read_header = (
@@ -332,30 +460,44 @@ def _npy_header(path: Path) -> tuple[np.dtype, int, int]:
                 else np.lib.format.read_array_header_2_0
             )
             shape, _, dtype = read_header(f)
-        except (ValueError, OSError) as exc:
-            raise ConversionError(f"{path} is not a valid .npy file: {exc}") from exc
+        # numpy parses the header with the tokenizer and ast.literal_eval: damaged bytes raise whatever
+        # those raise (ValueError, SyntaxError, tokenize.TokenError, TypeError, MemoryError, ...).
+        except Exception as exc:
+            raise ConversionError(f"{path} is not a valid .npy file: {type(exc).__name__}: {exc}") from exc
         offset = f.tell()
     if len(shape) != 1:
         raise ConversionError(
             f"{path}: expected a 1-D array of flattened parameters, found shape {list(shape)}"
         )
-    return dtype, int(shape[0]), offset
+    if not 0 <= shape[0] < 1 << 62:
+        raise ConversionError(f"{path}: its header's length {shape[0]} is not a possible element count")
+    return dtype, int(shape[0]), offset, size
+
+
+def _is_shape(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_RANK
+        and all(type(d) is int and 0 <= d < 1 << 63 for d in value)
+    )
 
 
 class GPT1Release:
-    """A GPT-1 ``model/`` folder. Opening reads ``params_shapes.json`` and the ten .npy headers."""
+    """A GPT-1 ``model/`` folder. Opening reads ``params_shapes.json`` and the ten .npy headers
+    (``weights=False``: ``params_shapes.json`` alone, for ``--inspect``)."""
 
     kind: ReleaseKind = "gpt1"
 
-    def __init__(self, source_dir: str | Path, n_head: int | None = None):
+    def __init__(self, source_dir: str | Path, n_head: int | None = None, *, weights: bool = True):
         self.source_dir = Path(source_dir)
-        shapes_path = self.source_dir / "params_shapes.json"
+        self.root = Path(os.path.realpath(self.source_dir))
+        self.weights = weights
+        shapes_path = self._file("params_shapes.json")
         shapes = _read_json(shapes_path)
-        if not isinstance(shapes, list) or not all(
-            isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
-        ):
+        if not isinstance(shapes, list) or not all(_is_shape(s) for s in shapes):
             raise ConversionError(
-                f"{shapes_path}: expected a list of shapes (lists of non-negative integers)"
+                f"{shapes_path}: expected a list of shapes (lists of non-negative integers, below 2**63, "
+                f"at most {MAX_RANK} of them)"
             )
         if len(shapes) < 2 or (len(shapes) - 2) % len(GPT1_LAYER_MAP):
             raise ConversionError(
@@ -366,8 +508,12 @@ class GPT1Release:
         self.n_layer = (len(shapes) - 2) // len(GPT1_LAYER_MAP)
         if len(self.shapes[0]) != 2:
             raise ConversionError(f"{shapes_path}: the first entry (positions) must be 2-D, got {shapes[0]}")
+        if len(self.shapes[1]) != 2:
+            raise ConversionError(f"{shapes_path}: the second entry (tokens) must be 2-D, got {shapes[1]}")
         self.n_positions, self.n_embd = self.shapes[0]
-        self.n_vocab = self.shapes[1][0] if len(self.shapes[1]) == 2 else -1
+        self.n_vocab = self.shapes[1][0]
+        sizes = {"n_ctx": self.n_positions, "n_embd": self.n_embd, "n_vocab": self.n_vocab}
+        _check_sizes({**sizes, "n_layer": self.n_layer}, f"{shapes_path} (from its shapes)")
         # train.py hard-codes n_head=12 (its --n_head default); a release's files do not record it.
         self.n_head = 12 if n_head is None else n_head
         if self.n_head <= 0 or self.n_embd % self.n_head:
@@ -375,32 +521,48 @@ class GPT1Release:
                 f"GPT-1 n_head {self.n_head} does not divide n_embd {self.n_embd} (from {shapes_path}); "
                 "pass the right n_head (--n-head)"
             )
+        self.sizes = [math.prod(s) for s in self.shapes]  # Python ints: no overflow
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))
+        self.order = gpt1_order(self.n_layer)
+        self.index = {src: i for i, (src, _, _) in enumerate(self.order)}
+        self.shards: list[_NpyShard] = []
+        self.starts = [0]
+        if weights:
+            self._open_shards(shapes_path)
 
+    def _open_shards(self, shapes_path: Path) -> None:
         for path in self.source_dir.iterdir():
             if _GPT1_SHARD.fullmatch(path.name) and path.name not in GPT1_FILES:
                 raise ConversionError(f"extra file {path}: GPT-1 releases have params_0.npy ... params_9.npy")
-        self.shards = []
         for i in range(10):
-            path = self.source_dir / f"params_{i}.npy"
-            dtype, length, offset = _npy_header(path)
+            path = self._file(f"params_{i}.npy")
+            dtype, length, offset, size = _npy_header(path)
             if dtype != np.float32:
                 raise ConversionError(f"{path}: unsupported dtype {dtype}; the release stores float32")
-            if path.stat().st_size < offset + length * dtype.itemsize:
+            promised = offset + length * dtype.itemsize
+            # Exactly: the shards carry no checksum, so a byte inserted anywhere would shift every value
+            # after it, and only the file's size can tell.
+            if size < promised:
                 raise CorruptCheckpointError(
-                    f"{path} is truncated: {path.stat().st_size} bytes, its header promises "
-                    f"{offset + length * dtype.itemsize}"
+                    f"{path} is truncated: {size} bytes, its header promises {promised}"
+                )
+            if size > promised:
+                raise CorruptCheckpointError(
+                    f"{path} has {size} bytes, {size - promised} more than its header promises ({promised}): "
+                    "bytes were added to it"
                 )
             self.shards.append(_NpyShard(path, dtype, length, offset))
-        total = sum(s.length for s in self.shards)
-        needed = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        self.starts = list(itertools.accumulate((s.length for s in self.shards), initial=0))
+        total, needed = self.starts[-1], self.offsets[-1]
         if total != needed:
             raise ConversionError(
                 f"params_0.npy ... params_9.npy hold {total} values in all, but {shapes_path} needs {needed}"
             )
-        self.starts = np.cumsum([0] + [s.length for s in self.shards])
-        self.offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in self.shapes])
-        self.order = gpt1_order(self.n_layer)
-        self.index = {src: i for i, (src, _, _) in enumerate(self.order)}
+
+    def _file(self, name: str) -> Path:
+        path = self.source_dir / name
+        check_source_file(self.root, path)
+        return path
 
     def tensors(self) -> list[SourceTensor]:
         return [
@@ -411,23 +573,51 @@ class GPT1Release:
     def mapping(self) -> list[tuple[str, str, Op]]:
         return list(self.order)
 
+    def files(self) -> list[Path]:
+        """Every file a conversion reads, in the order it reads them."""
+        names = ("params_shapes.json", *(f"params_{i}.npy" for i in range(10)), *GPT1_FILES[-2:])
+        return [self.source_dir / name for name in names]
+
+    def tensors_in(self, file_name: str) -> list[str]:
+        """The tensors with values in the release file ``file_name`` (a shard ``params_{i}.npy``), in order.
+
+        The shards hold the flattened parameters end to end, so a tensor may span two shards."""
+        names = [s.path.name for s in self.shards]
+        if file_name not in names:
+            return []
+        shard = names.index(file_name)
+        lo, hi = self.starts[shard], self.starts[shard + 1]
+        return [
+            src
+            for i, (src, _, _) in enumerate(self.order)
+            if self.offsets[i] < hi and self.offsets[i + 1] > lo
+        ]
+
     def _pieces(self, name: str) -> Iterator[tuple[_NpyShard, int, int]]:
         """(shard, first element, end element) ranges that make up tensor ``name``."""
         i = self.index[name]
-        begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        begin, end = self.offsets[i], self.offsets[i + 1]
         for shard, start in zip(self.shards, self.starts[:-1], strict=True):
-            lo, hi = max(begin, int(start)), min(end, int(start) + shard.length)
+            lo, hi = max(begin, start), min(end, start + shard.length)
             if lo < hi:
-                yield shard, lo - int(start), hi - int(start)
+                yield shard, lo - start, hi - start
 
     def get(self, name: str) -> np.ndarray:
         """The parameter as train.py sees it after `np.split(np.concatenate(shards), offsets)`."""
+        if not self.weights:
+            raise ConversionError(f"{self.source_dir} was opened without its shards (weights=False)")
         arrays = []
         for shard, lo, hi in self._pieces(name):
             if shard.mapped is None:
-                with open(shard.path, "rb") as f:
-                    shard.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                check_source_file(self.root, shard.path)
+                fd = open_regular_file(shard.path)
+                try:
+                    shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                finally:
+                    os.close(fd)  # the map keeps its own reference
             arrays.append(np.frombuffer(shard.mapped, shard.dtype, hi - lo, shard.data_offset + lo * 4))
+        if not arrays:  # a parameter of no values
+            return np.empty(self.shapes[self.index[name]], np.float32)
         flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         return flat.reshape(self.shapes[self.index[name]])
 
@@ -459,16 +649,20 @@ class GPT1Release:
 Release = GPT2Release | GPT1Release
 
 
-def open_release(source_dir: str | Path, *, n_head: int | None = None) -> Release:
-    """Open whichever release ``source_dir`` holds (``n_head`` only matters for GPT-1, see GPT1Release)."""
+def open_release(source_dir: str | Path, *, n_head: int | None = None, weights: bool = True) -> Release:
+    """Open whichever release ``source_dir`` holds (``n_head`` only matters for GPT-1, see GPT1Release).
+
+    ``weights=False`` opens it from the files that describe its tensors alone (no weights, vocabulary or
+    GPT-2 ``checkpoint`` needed): enough to plan a conversion, not to run one.
+    """
     if n_head is not None and (not isinstance(n_head, int) or n_head <= 0):
         raise InvalidOptionError(f"n_head must be a positive integer, not {n_head!r}")
-    kind = detect_release(source_dir)
+    kind = detect_release(source_dir, weights=weights)
     if kind == "gpt2":
         if n_head is not None:
             raise InvalidOptionError("n_head comes from hparams.json for GPT-2 releases; do not pass it")
-        return GPT2Release(source_dir)
-    return GPT1Release(source_dir, n_head=n_head)
+        return GPT2Release(source_dir, weights=weights)
+    return GPT1Release(source_dir, n_head=n_head, weights=weights)
 
 
 # --- the conversion plan ----------------------------------------------------------------------------------
@@ -500,6 +694,38 @@ def _expected_shapes(config: Any, fmt: Literal["hfgpt", "transformers"]) -> dict
             continue
         shapes[name] = tuple(tensor.shape)
     return shapes
+
+
+def _release_shapes(config: Any, fmt: str, kind: ReleaseKind) -> dict[str, tuple[int, ...]]:
+    """The same table as :func:`_expected_shapes`, worked out from the config's sizes without a model.
+
+    It is checked against the release first, so hyper-parameters that disagree with the release's tensors
+    (a hostile ``n_layer`` of 10**6 in hparams.json, say) are refused before a model of that size is built.
+    """
+    e, inner = config.n_embd, getattr(config, "n_inner", None) or 4 * config.n_embd
+    shapes = {
+        "transformer.wte.weight": (config.vocab_size, e),
+        "transformer.wpe.weight": (config.n_positions, e),
+    }
+    layer = {
+        "ln_1.weight": (e,),
+        "ln_1.bias": (e,),
+        "attn.c_attn.weight": (e, 3 * e),
+        "attn.c_attn.bias": (3 * e,),
+        "attn.c_proj.weight": (e, e),
+        "attn.c_proj.bias": (e,),
+        "ln_2.weight": (e,),
+        "ln_2.bias": (e,),
+        "mlp.c_fc.weight": (e, inner),
+        "mlp.c_fc.bias": (inner,),
+        "mlp.c_proj.weight": (inner, e),
+        "mlp.c_proj.bias": (e,),
+    }
+    for i in range(config.n_layer):
+        shapes.update({f"transformer.h.{i}.{name}": shape for name, shape in layer.items()})
+    if kind == "gpt2":  # pre-norm blocks and a final layer norm; GPT-1's post-norm blocks have none
+        shapes.update({"transformer.ln_f.weight": (e,), "transformer.ln_f.bias": (e,)})
+    return {_target_name(name, fmt, kind): shape for name, shape in shapes.items()}
 
 
 def _model_for(config: Any, fmt: str) -> Any:
@@ -571,7 +797,19 @@ def plan_conversion(
         raise InvalidOptionError("--add-finetune-tokens applies to GPT-1 releases only")
     if add_finetune_tokens and not (isinstance(seed, int) and 0 <= seed < 2**32):
         raise InvalidOptionError(f"seed must be an integer in 0..2**32-1 (numpy's RandomState), not {seed!r}")
-    expected = _expected_shapes(config, fmt)
+    # First against the shapes the config's sizes imply, before any model is built; then against the
+    # model itself (on `meta`), which is the authority on what it stores.
+    _plan(release, _release_shapes(config, fmt, release.kind), fmt, add_finetune_tokens, seed)
+    return _plan(release, _expected_shapes(config, fmt), fmt, add_finetune_tokens, seed)
+
+
+def _plan(
+    release: Release,
+    expected: dict[str, tuple[int, ...]],
+    fmt: Literal["hfgpt", "transformers"],
+    add_finetune_tokens: bool,
+    seed: int,
+) -> list[MappedTensor]:
     sources = {t.name: t for t in release.tensors()}
     hparams_file = "hparams.json" if release.kind == "gpt2" else "params_shapes.json"
     plan, filled = [], {}
@@ -630,8 +868,12 @@ def _embedding_name(fmt: str, kind: str) -> str:
 
 
 def inspect_release(source_dir: str | Path, *, n_head: int | None = None) -> list[MappedTensor]:
-    """Every tensor of the release with the parameter it maps to, from the index alone (no weights)."""
-    release = open_release(source_dir, n_head=n_head)
+    """Every tensor of the release with the parameter it maps to, from the index alone (no weights).
+
+    Needs only GPT-2's ``model.ckpt.index`` and ``hparams.json`` (or GPT-1's ``params_shapes.json``), so a
+    release can be looked into before its data shards are downloaded.
+    """
+    release = open_release(source_dir, n_head=n_head, weights=False)
     try:
         return plan_conversion(release, build_config(release))
     finally:
@@ -748,32 +990,114 @@ def _vocabulary_files(release: Release) -> tuple[Path, Path]:
     return release.source_dir / names[0], release.source_dir / names[1]
 
 
+def _byte_symbols() -> list[str]:
+    """GPT-2's 256 byte symbols (openai/gpt-2 encoder.py ``bytes_to_unicode``): printable bytes stand for
+    themselves, the others for the characters from U+0100 on."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+# How each release lays out its vocabulary: the ids of its base symbols, then one token per line of its
+# merges file in order (a BPE merge makes the token its two symbols join into), then the rest.
+#   GPT-2 encoder.json: ids 0..255 the 256 byte symbols, 256.. the merges, last "<|endoftext|>".
+#   GPT-1 encoder_bpe_40000.json: id 0 "<unk>", 1..238 characters and 239..476 the same characters ending
+#   a word ("c</w>"), 477.. the merges, last "\n</w>": 40,478 tokens for the 40,000 merges of
+#   vocab_40000.bpe (finetune-transformer-lm's text_utils.py reads its lines 2..40,001).
+_GPT1_CHARACTERS = 238
+_FIRST_MERGE_ID = {"gpt2": 256, "gpt1": 1 + 2 * _GPT1_CHARACTERS}
+_TOKENS_BESIDE_MERGES = {"gpt2": 256 + 1, "gpt1": 1 + 2 * _GPT1_CHARACTERS + 1}
+
+
 def _check_vocabulary(release: Release, rows: int) -> None:
-    """The vocabulary must give each embedding row one token, ids 0 .. rows-1, as the original code assumes
-    (GPT-2's ``n_vocab``; GPT-1's train.py sets ``n_vocab = len(text_encoder.encoder)``)."""
+    """The vocabulary files must be the release's formats, for an embedding of ``rows`` token rows.
+
+    The encoder gives each row one token, ids 0 .. rows-1, as the original code assumes (GPT-2's
+    ``n_vocab``; GPT-1's train.py sets ``n_vocab = len(text_encoder.encoder)``). The merges file is a
+    ``#version`` line, then exactly one line per merge token of the encoder, each two symbols and a
+    space, ending in a newline: merge ``i`` joins symbols the encoder already has into the token of id
+    ``first merge id + i``. So a truncated file, a deleted, moved or altered line, or a file from
+    elsewhere (``/etc/shadow``) is refused before anything is written.
+    """
     vocab, merges = _vocabulary_files(release)
-    encoder = _read_json(vocab)
+    for path in (vocab, merges):
+        check_source_file(release.root, path)
+    encoder = _read_json(vocab, VOCABULARY_FILE_LIMIT)
     if not isinstance(encoder, dict) or not all(type(i) is int for i in encoder.values()):
         raise ConversionError(f"{vocab}: expected a JSON object mapping each token to its integer id")
-    ids = sorted(encoder.values())
-    if ids != list(range(rows)):
+    ids = set(encoder.values())
+    if len(encoder) != rows or len(ids) != len(encoder) or not all(0 <= i < rows for i in ids):
         source = "hparams.json's n_vocab" if release.kind == "gpt2" else "params_shapes.json"
-        span = f"ids {ids[0]}..{ids[-1]}" if ids else "no ids"
+        span = f"ids {min(ids)}..{max(ids)}" if ids else "no ids"
         raise ConversionError(
             f"{vocab} has {len(encoder)} tokens ({span}), but the embedding has {rows} rows ({source}): "
             f"the ids must be 0..{rows - 1}, each once"
         )
+    token_of = {i: token for token, i in encoder.items()}
+    both = f"cannot build the tokenizer from {vocab} and {merges}"
+    first_merge = _FIRST_MERGE_ID[release.kind]
+    wanted = len(encoder) - _TOKENS_BESIDE_MERGES[release.kind]
+    if wanted < 0:
+        raise ConversionError(f"{both}: {vocab.name} has only {len(encoder)} tokens, too few for the release")
+
+    def base_token(i: int, expected: str, what: str) -> None:
+        if token_of[i] != expected:
+            raise ConversionError(f"{both}: {vocab.name} gives id {i} to {token_of[i]!r}; {what}")
+
     if release.kind == "gpt2":
-        # Byte-level BPE: 256 byte tokens, one token per merge, then <|endoftext|>.
-        try:
-            lines = merges.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise ConversionError(f"{merges} is not UTF-8 text: {exc}") from exc
-        count = sum(1 for line in lines[1:] if line.strip())  # the first line is "#version: ..."
-        if count != len(encoder) - 257:
+        if sorted(token_of[i] for i in range(256)) != sorted(_byte_symbols()):
+            raise ConversionError(f"{both}: ids 0..255 of {vocab.name} are not the 256 byte symbols")
+        base_token(len(encoder) - 1, "<|endoftext|>", "the release's last token is '<|endoftext|>'")
+        layout = "256 bytes + one token per merge + <|endoftext|>"
+    else:
+        base_token(0, "<unk>", "the release's token 0 is '<unk>'")
+        for i in range(1, 1 + _GPT1_CHARACTERS):
+            if len(token_of[i]) != 1:
+                raise ConversionError(
+                    f"{both}: {vocab.name} gives id {i} to {token_of[i]!r}; ids 1..{_GPT1_CHARACTERS} are "
+                    "single characters in the release"
+                )
+            base_token(
+                i + _GPT1_CHARACTERS, token_of[i] + "</w>", f"the release has {token_of[i] + '</w>'!r}"
+            )
+        base_token(len(encoder) - 1, "\n</w>", "the release's last token is '\\n</w>'")
+        layout = f"{2 * _GPT1_CHARACTERS + 1} symbols and <unk> + one token per merge + '\\n</w>'"
+    try:
+        text = read_regular_file(merges, VOCABULARY_FILE_LIMIT).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{merges} is not UTF-8 text: {exc}") from exc
+    lines = text.split("\n")  # as the original code reads it: the lines between the first and the end
+    if not lines[0].startswith("#version"):
+        raise ConversionError(f"{both}: the first line of {merges.name} must be its '#version: ...' header")
+    count = len(lines) - 2
+    if count != wanted:
+        raise ConversionError(
+            f"{merges} has {count} merges; {vocab}'s {len(encoder)} tokens need {wanted} ({layout})"
+        )
+    if lines[-1]:
+        raise ConversionError(f"{both}: {merges.name} does not end with a newline (truncated?)")
+    for i, line in enumerate(lines[1:-1]):
+        parts = line.split(" ")
+        if len(parts) != 2 or not all(parts):
             raise ConversionError(
-                f"{merges} has {count} merges; {vocab}'s {len(encoder)} tokens need {len(encoder) - 257} "
-                "(256 bytes + one token per merge + <|endoftext|>)"
+                f"{both}: line {i + 2} of {merges.name} is {line[:60]!r}, not a merge (two symbols and a space)"
+            )
+        made = first_merge + i
+        if parts[0] + parts[1] != token_of[made]:
+            raise ConversionError(
+                f"{both}: line {i + 2} of {merges.name} joins {line!r} into {parts[0] + parts[1]!r}, but merge "
+                f"{i + 1} makes the token of id {made}, {token_of[made]!r}: the files do not belong together"
+            )
+        for part in parts:  # a base symbol or the token of an earlier merge
+            if not (release.kind == "gpt1" and encoder.get(part) == 0) and encoder.get(part, made) < made:
+                continue
+            raise ConversionError(
+                f"{both}: line {i + 2} of {merges.name} joins {part!r}, which is neither a symbol of "
+                f"{vocab.name} nor made by an earlier merge"
             )
 
 
@@ -821,6 +1145,60 @@ def _load_tokenizer(release: Release, fmt: str, add_finetune_tokens: bool, rows:
     return tokenizer
 
 
+# --- SHA-256 of the files read -----------------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a regular file, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with os.fdopen(open_regular_file(path), "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def parse_sha256_list(text: str, source: str = "the SHA-256 list") -> dict[str, str]:
+    """File name -> SHA-256 from ``sha256sum`` output (``<64 hex digits>  <name>``, ``*<name>`` in binary
+    mode). Only a name's last component counts (``models/124M/vocab.bpe`` lists ``vocab.bpe``); blank
+    lines and lines starting with ``#`` are skipped. Raises InvalidOptionError for any other line."""
+    listed: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line.rstrip("\r"))
+        if match is None:
+            raise InvalidOptionError(
+                f"{source}, line {number}: expected '<sha256>  <file name>', got {line[:80]!r}"
+            )
+        name = match.group(2).replace("\\", "/").rsplit("/", 1)[-1]
+        if listed.get(name, match.group(1).lower()) != match.group(1).lower():
+            raise InvalidOptionError(f"{source} lists {name} twice, with different digests")
+        listed[name] = match.group(1).lower()
+    return listed
+
+
+def _check_sha256(release: Release, digests: Mapping[str, str], expected: Mapping[str, str]) -> None:
+    """Every file of the release that ``expected`` lists must have its digest there; a difference names
+    the file and the tensors it holds (GPT-1's shards carry no checksum of their own: this is their check)."""
+    checked = [name for name in digests if name in expected]
+    if not checked:
+        raise InvalidOptionError(
+            f"the SHA-256 list names none of the files of {release.source_dir} ({', '.join(digests)})"
+        )
+    for name in checked:
+        if digests[name] != expected[name]:
+            tensors = release.tensors_in(name)
+            held = (
+                f"; it holds {len(tensors)} tensor(s): {', '.join(tensors)}"
+                if tensors
+                else " (it holds no weights)"
+            )
+            raise CorruptCheckpointError(
+                f"{release.source_dir / name} has SHA-256 {digests[name]}, but the list gives "
+                f"{expected[name]}: the file differs from the published one{held}"
+            )
+
+
 def _write_model_card(release: Release, out_dir: Path, config: Any) -> None:
     from hfgpt.model_cards import render_model_card
 
@@ -863,11 +1241,17 @@ def convert_release(
     max_shard_size: int | str = "5GB",
     tokenizer: bool = True,
     model_card: bool = True,
+    expected_sha256: Mapping[str, str] | None = None,
+    sha256: dict[str, str] | None = None,
 ) -> Path:
     """Convert an OpenAI release folder into a complete checkpoint in ``output_dir``; returns its path.
 
     Everything is written to a temporary folder beside ``output_dir`` and moved into place at the end,
     so a failure leaves no half-written output. Raises a ``CheckpointError`` subclass on bad input.
+
+    ``sha256``: a dict this fills with the SHA-256 of every release file read (by file name), for
+    comparison with a published list. ``expected_sha256``: such a list (see :func:`parse_sha256_list`);
+    a listed file with another digest is refused before anything is written, naming the tensors it holds.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise InvalidOptionError(f"unsupported dtype {dtype!r}; choose float32, float16 or bfloat16")
@@ -880,6 +1264,15 @@ def convert_release(
     max_shard = parse_size(max_shard_size)
     release = open_release(source_dir, n_head=n_head)
     try:
+        if sha256 is not None or expected_sha256 is not None:
+            digests = {}
+            for path in release.files():
+                check_source_file(release.root, path)
+                digests[path.name] = file_sha256(path)
+            if expected_sha256 is not None:
+                _check_sha256(release, digests, expected_sha256)
+            if sha256 is not None:
+                sha256.update(digests)
         config = build_config(release, fmt=fmt, add_finetune_tokens=add_finetune_tokens, dtype=dtype)
         plan = plan_conversion(release, config, fmt=fmt, add_finetune_tokens=add_finetune_tokens, seed=seed)
         rows = config.vocab_size - (len(FINETUNE_TOKENS) if add_finetune_tokens else 0)

@@ -4,6 +4,14 @@
     hfgpt-convert finetune-transformer-lm/model gpt1-hf --add-finetune-tokens
     hfgpt-convert models/1558M gpt2-xl-hf --dtype float16 --format transformers
     hfgpt-convert --inspect models/124M                # list tensors and their parameters; loads no weights
+    hfgpt-convert model/ gpt1-hf --sha256              # also print the SHA-256 of every file it read
+
+--inspect needs only model.ckpt.index and hparams.json (GPT-1: params_shapes.json), so a release can be
+looked into before its data shards are downloaded. The converter reads only regular files of the release
+folder: FIFOs and devices are refused, and so is a symbolic link out of the folder (links into the blobs
+folder of the Hugging Face cache repo holding the folder are followed). GPT-2's data and index carry
+CRC-32C checksums, which are checked; GPT-1's .npy shards carry none, so compare the --sha256 digests with
+a published list, or give that list to --check-sha256.
 
 The output folder then loads with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
 (after `import hfgpt.modeling`; with `--format transformers`, with plain transformers).
@@ -21,11 +29,15 @@ from typing import Literal
 
 from hfgpt.modeling.openai_release import (
     CONVERSION_ERRORS,
+    SMALL_FILE_LIMIT,
+    CheckpointError,
     InvalidOptionError,
     convert_release,
     inspect_release,
+    parse_sha256_list,
     parse_size,
 )
+from hfgpt.modeling.tf_bundle import read_regular_file
 
 __all__ = ["convert_openai_checkpoint", "format_inspection", "main"]
 
@@ -41,11 +53,15 @@ def convert_openai_checkpoint(
     n_head: int | None = None,
     max_shard_size: int | str = "5GB",
     push_to_hub: str | None = None,
+    expected_sha256: dict[str, str] | None = None,
+    sha256: dict[str, str] | None = None,
 ) -> Path:
     """Convert the release in ``source_dir`` into ``output_dir`` (see :func:`convert_release`).
 
     ``push_to_hub``: a repo id to upload the finished folder to, through ``hfgpt.scripts.push_to_hub``
     (checked before converting; a refused push raises its ``PushError`` and leaves the folder converted).
+    ``expected_sha256`` / ``sha256``: digests to check the release's files against / a dict to fill with
+    them (see :func:`convert_release`).
     """
     if push_to_hub:
         from hfgpt.scripts.push_to_hub import PushError, check_repo_id
@@ -63,6 +79,8 @@ def convert_openai_checkpoint(
         seed=seed,
         n_head=n_head,
         max_shard_size=max_shard_size,
+        expected_sha256=expected_sha256,
+        sha256=sha256,
     )
     if push_to_hub:
         from hfgpt.scripts.push_to_hub import push_to_hub as push  # imported only when asked for
@@ -112,6 +130,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def read_sha256_list(path: Path) -> dict[str, str]:
+    """The ``sha256sum``-format list in ``path`` (a regular file of at most 1 MiB), for --check-sha256."""
+    try:
+        text = read_regular_file(path, SMALL_FILE_LIMIT).decode("utf-8")
+    except (CheckpointError, UnicodeDecodeError) as exc:
+        raise InvalidOptionError(f"--check-sha256: {exc}") from exc
+    return parse_sha256_list(text, str(path))
+
+
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     # Unwinds like Ctrl-C, so the temporary output folder is removed (convert_release's cleanup).
     raise KeyboardInterrupt
@@ -130,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "output_dir", type=Path, nargs="?", help="where to write the checkpoint (new or empty)"
     )
-    parser.add_argument("--inspect", action="store_true", help="list the release's tensors and exit")
+    parser.add_argument(
+        "--inspect",
+        action="store_true",
+        help="list the release's tensors and exit (reads only model.ckpt.index and hparams.json, or GPT-1's "
+        "params_shapes.json: the data shards need not be there)",
+    )
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument(
         "--format",
@@ -157,6 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         "--max-shard-size", type=_size, default="5GB", help="split safetensors above this size (5GB, 500MB)"
     )
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the result")
+    parser.add_argument(
+        "--sha256",
+        action="store_true",
+        help="after converting, print the SHA-256 of every release file read ('<digest>  <name>', as "
+        "sha256sum does), to compare with a published list (GPT-1's shards have no checksums of their own)",
+    )
+    parser.add_argument(
+        "--check-sha256",
+        metavar="SUMS",
+        type=Path,
+        default=None,
+        help="a sha256sum-format list of the release's files: refuse (exit 4), before writing anything, a "
+        "listed file with another digest, naming the tensors it holds",
+    )
     args = parser.parse_args(argv)
     from hfgpt.scripts.push_to_hub import PushError  # no torch, no network: cheap
 
@@ -174,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.output_dir is None:
             parser.error("OUTPUT_DIR is required unless --inspect is given")
+        expected = read_sha256_list(args.check_sha256) if args.check_sha256 is not None else None
+        digests: dict[str, str] | None = {} if args.sha256 else None
         out = convert_openai_checkpoint(
             args.source_dir,
             args.output_dir,
@@ -184,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             n_head=args.n_head,
             max_shard_size=args.max_shard_size,
             push_to_hub=args.push_to_hub,
+            expected_sha256=expected,
+            sha256=digests,
         )
     except CONVERSION_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -208,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out}")
+    for name, digest in (digests or {}).items():
+        print(f"{digest}  {name}")
     return 0
 
 
