@@ -1065,7 +1065,7 @@ def _check_vocabulary(release: Release, rows: int) -> None:
                 i + _GPT1_CHARACTERS, token_of[i] + "</w>", f"the release has {token_of[i] + '</w>'!r}"
             )
         base_token(len(encoder) - 1, "\n</w>", "the release's last token is '\\n</w>'")
-        layout = f"{2 * _GPT1_CHARACTERS + 1} symbols and <unk> + one token per merge + '\\n</w>'"
+        layout = f"<unk> + {2 * _GPT1_CHARACTERS} symbols + one token per merge + '\\n</w>'"
     try:
         text = read_regular_file(merges, VOCABULARY_FILE_LIMIT).decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -167,7 +167,10 @@ def fuzz(kind: str, tmp_path: Path, capsys) -> list[tuple[str, int, Path]]:
         src.mkdir(parents=True)
         for other in names:
             if other != name:
-                os.link(pristine / other, src / other)
+                try:
+                    os.link(pristine / other, src / other)  # a hard link: a regular file of the folder
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(pristine / other, src / other)
         (src / name).write_bytes(damaged)
         out = case / "out"
         code, stdout, err, seconds = convert(capsys, src, out, kind)
