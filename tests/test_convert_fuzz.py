@@ -95,7 +95,8 @@ def logits(folder: Path) -> torch.Tensor:
 
 def test_random_damage_is_refused_or_harmless(tmp_path, capsys):
     started, cpu = time.monotonic(), time.process_time()
-    kept = fuzz("gpt2", tmp_path / "gpt2", capsys) + fuzz("gpt1", tmp_path / "gpt1", capsys)
+    report: list[str] = []  # printed at the end: capsys takes what is printed before its last read
+    kept = fuzz("gpt2", tmp_path / "gpt2", capsys, report) + fuzz("gpt1", tmp_path / "gpt1", capsys, report)
     in_process, cpu = time.monotonic() - started, time.process_time() - cpu
 
     # The same refusals through the script in a separate process: what reaches a real stderr.
@@ -134,13 +135,14 @@ def test_random_damage_is_refused_or_harmless(tmp_path, capsys):
     assert "hparams.json is a FIFO (named pipe), not a regular file" in chunks[-3]
     for _, _, src in kept:
         assert not (src.parent / "out").exists()
+    print("\n" + "\n".join(report))
     print(
         f"in process {in_process:.1f} s ({cpu:.1f} s CPU), {len(kept)} cases in a subprocess "
         f"{time.monotonic() - started - in_process:.1f} s"
     )
 
 
-def fuzz(kind: str, tmp_path: Path, capsys) -> list[tuple[str, int, Path]]:
+def fuzz(kind: str, tmp_path: Path, capsys, report: list[str]) -> list[tuple[str, int, Path]]:
     """Run CASES damaged copies of the ``kind`` release; returns a few refused cases' (kind, exit code, folder)."""
     pristine = tmp_path / "model"  # the folder name the cases use too: the model card names it
     pristine.mkdir(parents=True)
@@ -215,8 +217,10 @@ def fuzz(kind: str, tmp_path: Path, capsys) -> list[tuple[str, int, Path]]:
                 assert digests_of(stdout)[name] != baseline_digests[name], label
                 reported.append(f"{label.split(' -> ')[0]}: values changed in {', '.join(changed)}")
         shutil.rmtree(case)
-    print(f"\n{kind}: {CASES} cases, exit codes {dict(sorted(outcomes.items()))}, slowest {slowest:.2f} s")
-    print("\n".join([*converted, *reported]))
+    report.append(
+        f"{kind}: {CASES} cases, exit codes {dict(sorted(outcomes.items()))}, slowest {slowest:.2f} s"
+    )
+    report += [*converted, *reported]
     assert outcomes.get(3, 0) + outcomes.get(4, 0) > CASES // 2  # the damage is mostly refused
 
     return kept
