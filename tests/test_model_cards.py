@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -374,3 +375,81 @@ def test_transformers_format_card_snippets_load_with_plain_transformers_and_with
     assert type(namespace["model"]) is GPTDoubleHeadsModel
     for name, tensor in ours.state_dict().items():
         assert torch.equal(namespace["model"].state_dict()[name], tensor), name
+
+
+RELEASE_SECTIONS = [
+    "Where the weights come from",
+    "How to use",
+    "Training data",
+    "Intended uses and limitations",
+    "Evaluation",
+    "Licence",
+    "Citation",
+]
+TRAINED_SECTIONS = [
+    "How to use",
+    "Intended uses and limitations",
+    "Training procedure",
+    "Evaluation",
+    "Licence",
+    "Citation",
+]
+
+
+def _readable_cards() -> dict[str, tuple[ModelCard, list[str]]]:
+    """A card of every kind as the commands write them, with the sections each must have in order: the
+    five releases, a GPT-2 release with a result measured on it, a model trained from scratch and a GPT-1
+    fine-tuned with its hyper-parameters and results."""
+    measured = EvalResult(
+        task_type="text-generation",
+        dataset_type="wikitext",
+        dataset_name="WikiText-103",
+        metric_type="perplexity",
+        metric_value=37.4,
+    )
+    cards = {
+        kind: (render_model_card(kind, repo_id=f"someone/{kind}", source="models/x"), RELEASE_SECTIONS)
+        for kind in RELEASES
+    }
+    cards["gpt2, measured"] = (render_model_card("gpt2", eval_results=[measured]), RELEASE_SECTIONS)
+    cards["trained"] = (render_model_card("trained", config=TINY), TRAINED_SECTIONS)
+    accuracy = EvalResult(
+        task_type="text-classification",
+        dataset_type="glue",
+        dataset_name="RTE",
+        dataset_config="rte",
+        dataset_split="validation",
+        metric_type="accuracy",
+        metric_value=0.56,
+    )
+    fine_tuned = render_model_card(
+        "trained",
+        config={**TINY, "layer_norm_position": "post", "architectures": ["GPTForSequenceClassification"]},
+        repo_id="me/gpt1-rte",
+        base_model="openai-community/openai-gpt",
+        datasets=["glue"],
+        task="entailment",
+        training={"learning_rate": 6.25e-5, "epochs": 3},
+        eval_results=[accuracy],
+    )
+    cards["trained, fine-tuned"] = (fine_tuned, TRAINED_SECTIONS)
+    return cards
+
+
+@pytest.mark.parametrize("name", list(_readable_cards()))
+def test_cards_render_to_tidy_markdown_with_valid_metadata(name: str, validating_hub: HubServer) -> None:
+    card, sections = _readable_cards()[name]
+    text = card.text
+    assert not any(mark in text for mark in ("{{", "}}", "{%", "%}")), "template syntax left in the card"
+    assert "\n\n\n" not in text and not any(line != line.rstrip() for line in text.splitlines())
+    assert text.count("```") % 2 == 0 and "None" not in text
+    title, intro = text.lstrip("\n").split("\n\n", 2)[:2]
+    assert title.startswith("# ") and intro and not intro.startswith(("#", "|", "`"))  # a title, then prose
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == sections
+    # Every table row has as many cells as its header.
+    for table in re.findall(r"(?:^\|.*\|\n)+", text, flags=re.MULTILINE):
+        widths = {row.count("|") for row in table.splitlines()}
+        assert len(widths) == 1, table
+    # The metadata reads back, and the Hub's validation accepts it.
+    assert ModelCard(str(card)).data.license
+    card.validate()
