@@ -28,9 +28,10 @@ each utilisation figure can be set against the machine's speed in the same minut
     python benchmarks/bench_model.py --json-dir benchmarks     # the full run: figures-cpu-<section>.json
     python benchmarks/bench_model.py --quick                    # fewer repeats and tokens
     python benchmarks/bench_model.py --tiny --peers none        # the test suite's smoke run
-    python benchmarks/bench_model.py --figures benchmarks       # the full table of the saved figures
+    python benchmarks/bench_model.py --figures                  # the full table of the saved figures
     python benchmarks/bench_model.py --summary                  # the README's table of them
     python benchmarks/bench_model.py --plot                     # the README's chart of them
+    python benchmarks/bench_model.py --update-docs              # chart, README and RESULTS.md tables
 """
 
 from __future__ import annotations
@@ -1070,10 +1071,27 @@ def machine_info(device: str) -> dict[str, Any]:
         "device": device,
         "threads": torch.get_num_threads(),
         "cpu": _cpu_name(),
+        "cpu_features": _cpu_features(),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+# The instruction sets that decide which of hfgpt's CPU paths run (AVX-512 for the C kernels, VNNI for int8,
+# BF16 / AMX for bfloat16), as /proc/cpuinfo names them.
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def _cpu_features() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [name for name in CPU_FEATURES if name in flags]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_name() -> str:
@@ -1098,7 +1116,9 @@ def format_table(report: dict[str, Any]) -> str:
             if "date" in report
             else ""
         )
-        + f"Machine: {m['cpu']}, {m['threads']} threads, device {m['device']}"
+        + f"Machine: {m['cpu']}"
+        + (f" ({', '.join(m['cpu_features'])})" if m.get("cpu_features") else "")
+        + f", {m['threads']} threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; torch {m['torch']}, transformers {m['transformers']}; profile `{report['profile']}`"
         + ("; freed memory kept in the process (`--keep-freed-memory`)" if m.get("keep_freed_memory") else "")
@@ -1405,9 +1425,11 @@ def _run_line(run_: dict[str, Any]) -> str:
     if "bf16_matmul_flops_per_s" in hw:
         rates += f", bfloat16 {hw['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
     rates += f", memory read {hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
+    features = f" ({', '.join(m['cpu_features'])})" if m.get("cpu_features") else ""
     return (
-        f"{run_.get('date', 'an undated run')}, profile `{run_['profile']}`: {m['cpu']}, {m['threads']} "
-        f"threads ({m['device']}), torch {m['torch']}, transformers {m['transformers']}; measured {rates}"
+        f"{run_.get('date', 'an undated run')}, profile `{run_['profile']}`: {m['cpu']}{features}, "
+        f"{m['threads']} threads ({m['device']}), torch {m['torch']}, transformers {m['transformers']}; "
+        f"measured {rates}"
     )
 
 
@@ -1498,6 +1520,50 @@ def plot_ratios(figures: dict[str, dict[str, Any]], path: Path) -> list[dict[str
     return data
 
 
+# The regions of README.md and benchmarks/RESULTS.md that `--update-docs` writes: each between its start
+# marker and GENERATED_END, both HTML comments (invisible on GitHub).
+README_TABLE = "<!-- README table: python benchmarks/bench_model.py --update-docs -->"
+RESULTS_TABLE = "<!-- full table: python benchmarks/bench_model.py --update-docs -->"
+ACCURACY_TABLE = "<!-- accuracy table: python benchmarks/bench_model.py --update-docs -->"
+ACCURACY_FIGURES = FIGURES_DIR / "lowp-accuracy-cpu.json"  # lowp_accuracy.py's figures
+GENERATED_END = "<!-- end of generated table -->"
+
+
+def marked_region(text: str, start: str) -> tuple[int, int]:
+    """Where the generated region after `start` lies in `text` (its first and last character + 1)."""
+    if text.count(start) != 1 or GENERATED_END not in text.split(start, 1)[1]:
+        raise ValueError(f"expected one {start!r} followed by {GENERATED_END!r}")
+    first = text.index(start) + len(start) + 1
+    return first, text.index(GENERATED_END, first)
+
+
+def with_region(text: str, start: str, content: str) -> str:
+    """`text` with the region after `start` replaced by `content`."""
+    first, last = marked_region(text, start)
+    return text[:first] + content.rstrip("\n") + "\n" + text[last:]
+
+
+def update_docs(figures: dict[str, dict[str, Any]], root: Path = FIGURES_DIR.parent) -> list[Path]:
+    """Make the published views of the figures files: the chart (`benchmarks/ratios-cpu.png`), the
+    README's table, and RESULTS.md's full table and accuracy table (from `lowp_accuracy.py`'s
+    figures). Returns the files written."""
+    chart = root / "benchmarks" / "ratios-cpu.png"
+    plot_ratios(figures, chart)
+    results = root / "benchmarks" / "RESULTS.md"
+    text = with_region(results.read_text(), RESULTS_TABLE, figures_table(figures))
+    results.write_text(with_region(text, ACCURACY_TABLE, accuracy_table()))
+    readme = root / "README.md"
+    readme.write_text(with_region(readme.read_text(), README_TABLE, summary_table(figures)))
+    return [chart, results, readme]
+
+
+def accuracy_table(path: Path = ACCURACY_FIGURES) -> str:
+    """`lowp_accuracy.py`'s table of its figures file."""
+    import lowp_accuracy  # the sibling script (it imports this one: loaded here, when both are)
+
+    return lowp_accuracy.format_report(json.loads(path.read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -1545,10 +1611,19 @@ def main(argv: list[str] | None = None) -> int:
         const=FIGURES_DIR / "ratios-cpu.png",
         help="with the figures files: draw the README's chart to this PNG (default benchmarks/ratios-cpu.png)",
     )
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="measure nothing: remake the chart, the README's table and RESULTS.md's table from benchmarks/",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one memory measurement
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(memory_worker(json.loads(args.worker))))
+        return 0
+    if args.update_docs:
+        for path in update_docs(load_figures(FIGURES_DIR, args.device or "cpu")):
+            print(f"wrote {path}", file=sys.stderr)
         return 0
     if args.figures or args.summary or args.plot:
         return show_figures(args.figures or FIGURES_DIR, args.device or "cpu", args.summary, args.plot)

@@ -7,6 +7,7 @@ Speed itself is never asserted here: figures come from the benchmark, not from t
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -557,3 +558,56 @@ def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
     for row in compiled:
         assert row["extra"]["max_abs_logit_diff_from_hfgpt"] < 1e-4 and row["rate"] > 0
     assert "| gpt2 | prefill torch.compile |" in capsys.readouterr().out
+
+
+# --- RESULTS.md and the README: their tables are made from the figures ----------------------------------
+
+RESULTS = Path(bench_model.__file__).parent / "RESULTS.md"
+
+
+def test_results_tables_are_the_ones_made_from_the_figures():
+    text = RESULTS.read_text()
+    first, last = bench_model.marked_region(text, bench_model.RESULTS_TABLE)
+    stale = "stale table: run python benchmarks/bench_model.py --update-docs"
+    assert text[first:last].strip() == bench_model.figures_table(bench_model.load_figures()), stale
+    first, last = bench_model.marked_region(text, bench_model.ACCURACY_TABLE)
+    assert text[first:last].strip() == bench_model.accuracy_table(), stale
+
+
+def test_results_is_a_current_account_not_a_diary():
+    text = RESULTS.read_text()
+    assert len(text.splitlines()) <= 260
+    assert not re.search(r"\bsession", text, flags=re.IGNORECASE)
+    hashes = [
+        w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search("[a-f]", w)
+    ]
+    assert not hashes
+    for heading in ("## Method", "## The current full table", "## Accuracy of the lower-precision copies"):
+        assert heading in text
+    assert "## Tried and dropped" in text
+
+
+def test_update_docs_rewrites_only_the_generated_regions(tmp_path):
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    readme = f"# x\n\nbefore\n{bench_model.README_TABLE}\nold\n{bench_model.GENERATED_END}\nafter\n"
+    results = (
+        f"a\n{bench_model.RESULTS_TABLE}\nold\n{bench_model.GENERATED_END}\nb\n"
+        f"{bench_model.ACCURACY_TABLE}\n{bench_model.GENERATED_END}\nc\n"
+    )
+    (root / "README.md").write_text(readme)
+    (root / "benchmarks" / "RESULTS.md").write_text(results)
+    figures = bench_model.load_figures()
+    written = bench_model.update_docs(figures, root)
+    assert [p.name for p in written] == ["ratios-cpu.png", "RESULTS.md", "README.md"]
+    new_readme = (root / "README.md").read_text()
+    assert new_readme.startswith("# x\n\nbefore\n") and new_readme.endswith(
+        f"{bench_model.GENERATED_END}\nafter\n"
+    )
+    assert bench_model.summary_table(figures) in new_readme and "old" not in new_readme
+    new_results = (root / "benchmarks" / "RESULTS.md").read_text()
+    assert bench_model.figures_table(figures) in new_results and bench_model.accuracy_table() in new_results
+    bench_model.update_docs(figures, root)  # a second time changes nothing
+    assert (root / "README.md").read_text() == new_readme
+    with pytest.raises(ValueError, match="expected one"):
+        bench_model.with_region("no markers", bench_model.README_TABLE, "x")
