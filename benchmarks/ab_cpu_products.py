@@ -2,7 +2,7 @@
 `addmm` (`use_onednn_products(False)`, the products transformers' `Conv1D` runs), interleaved in one
 process: prefill, greedy decoding and a training step of GPT-2 124M shapes (random weights).
 
-    python benchmarks/ab_cpu_products.py --json ab.json      # ~6 min on this project's 2-core CPU
+    python benchmarks/ab_cpu_products.py --json benchmarks/ab-cpu-products-gpt2.json
     python benchmarks/ab_cpu_products.py --tiny              # the test suite's smoke run
 
 Ratios are MKL time / oneDNN time (>1: oneDNN faster). The decoding rows also say whether the two

@@ -611,3 +611,16 @@ def test_update_docs_rewrites_only_the_generated_regions(tmp_path):
     assert (root / "README.md").read_text() == new_readme
     with pytest.raises(ValueError, match="expected one"):
         bench_model.with_region("no markers", bench_model.README_TABLE, "x")
+
+
+def test_ctranslate2_runs_beside_hfgpts_decoding_copies_in_the_lowp_section(tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    argv = ["--tiny", "--sections", "lowp", "--peers", "ctranslate2", "--repeats", "1"]
+    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
+    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    impls = {family: {r["impl"] for r in rows if r["family"] == family} for family in ("gpt2", "gpt1")}
+    assert bench_model.CTRANSLATE2 in impls["gpt2"]
+    assert bench_model.CTRANSLATE2 not in impls["gpt1"]  # no GPT-1 converter in CTranslate2
+    ct2 = next(r for r in rows if r["impl"] == bench_model.CTRANSLATE2)
+    assert ct2["rate"] > 0 and 0 < ct2["extra"]["max_abs_logit_err"] < 0.5
+    assert "| gpt2 | decode ctranslate2 int8 |" in capsys.readouterr().out
