@@ -10,19 +10,19 @@ each function names the plain expression it stands for, and the tests hold the t
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
   C kernel in both (`native_causal_attention`, `_native_dropout_attention`); a decoding step's query
   against the cache, with or without a key mask, on the same kernel (`native_decode_attention`).
-- Appends to transformers' `DynamicCache` without copying it (`append_to_cache`).
 - The LM head and its loss without a full vocabulary-wide gradient (`project_to_vocab`,
   `lm_logits_and_loss`, `_LinearCrossEntropy`), its log-sum-exp and softmax gradient on hfgpt's C kernel
   where it is built (`onednn_logits_and_lse`, `_loss_kernel`), and its gradient shared with the tied
   embeddings (`TiedHeadGradient`, `_TiedEmbedding`).
 
-Where each is chosen, and what it measured, is in its docstring and in benchmarks/RESULTS.md. Like its
-siblings, this file imports only torch and transformers (and, where present, hfgpt's `native` module of C
-kernels), so that `save_pretrained` can copy it next to a checkpoint for `trust_remote_code=True` users.
+Where each is chosen, and why, is in its docstring; what it measured is in benchmarks/RESULTS.md. The
+layers that call these functions are swapped into a model by `hfgpt.cpu.layers.kernelize`; the model files
+never import this one.
 """
 
 import contextlib
 import ctypes
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -39,7 +39,6 @@ from torch.nn.modules.module import (
     _global_forward_hooks,
     _global_forward_pre_hooks,
 )
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 try:  # hfgpt's C kernels; a checkpoint's copy of this file (trust_remote_code) runs torch's ops instead
@@ -185,6 +184,22 @@ def _find_onednn_linear() -> Callable | None:
 
 
 _ONEDNN_LINEAR = _find_onednn_linear()
+
+
+@functools.cache
+def onednn_bfloat16_runs() -> bool:
+    """Whether oneDNN's linear op takes bfloat16 on this CPU: it refuses ("could not create a primitive
+    descriptor") where the CPU lacks the instructions its bfloat16 products need (AVX-512 on x86)."""
+    if _ONEDNN_LINEAR is None:
+        return False
+    x = torch.ones(2, 2, dtype=torch.bfloat16)
+    try:
+        _ONEDNN_LINEAR(x, x, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 _cpu_products = {"onednn": _ONEDNN_LINEAR is not None}
 
 
@@ -279,8 +294,18 @@ def has_forward_hooks(module: nn.Module) -> bool:
         or module._forward_pre_hooks
         or _global_forward_hooks
         or _global_forward_pre_hooks
-        or "forward" in module.__dict__
+        or _foreign_forward(module)
     )
+
+
+# The forwards hfgpt.cpu.layers sets on instances (`kernelize`): unlike accelerate's, they call the module's
+# own parameters directly, so a fused path may still skip the call.
+CPU_FORWARDS: set[Callable] = set()
+
+
+def _foreign_forward(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return forward is not None and getattr(forward, "__func__", None) not in CPU_FORWARDS
 
 
 def has_backward_hooks(module: nn.Module) -> bool:
@@ -921,167 +946,6 @@ def native_decode_attention(
     return output, None
 
 
-def decode_step_attention(
-    module: nn.Module, qkv: torch.Tensor, cache: Any, attention_mask: Any
-) -> torch.Tensor | None:
-    """One decoding step's attention straight from c_attn's output `qkv` (B, 1, 3E), for a `DynamicCache`
-    layer whose keys and values are still the buffer views `append_to_cache` set: one call of the C kernel
-    (`hfgpt_attention_decode_step`) writes each head's new key and value into the buffers' next position
-    and attends to them, as `append_to_cache` then `native_decode_attention` would (the same arithmetic,
-    the same values), without the ~90 us of torch ops and checks a layer those take in `generate()`.
-    Returns the (B, 1, H, D) output with the layer's keys and values extended by one position, or None,
-    having changed nothing, wherever it does not apply: anything but float32 heads of 64 on the CPU
-    outside autocast and compilation, one new position, no gradient, a cache or layer `append_to_cache`
-    would not extend in place or whose buffers are full, or a mask `native_decode_attention` cannot read."""
-    batch, new, width = qkv.shape
-    heads = module.num_heads
-    if (
-        new != 1
-        or module.head_dim != NATIVE_HEAD_SIZE
-        or qkv.dtype != torch.float32
-        or not qkv.is_cpu
-        or not qkv.is_contiguous()
-        or (qkv.requires_grad and torch.is_grad_enabled())
-        or torch.is_autocast_enabled("cpu")
-    ):
-        return None
-    layer = _plain_dynamic_layer(cache, module.layer_idx)
-    if layer is None:
-        return None
-    state = layer.__dict__
-    views, buffers = state.get("_hfgpt_views"), state.get("_hfgpt_buffers")
-    if views is None or buffers is None or layer.keys is not views[0] or layer.values is not views[1]:
-        return None
-    keys, values = buffers
-    length = views[0].shape[-2]
-    if (
-        length >= keys.shape[-2]
-        or keys.shape[:2] != (batch, heads)
-        or keys.shape[3] != NATIVE_HEAD_SIZE
-        or values.shape != keys.shape
-        or keys.stride(3) != 1
-        or values.stride(3) != 1
-        or keys.dtype != torch.float32
-        or values.dtype != torch.float32
-        or (keys.is_inference() and not torch.is_inference_mode_enabled())
-        or (attention_mask is not None and not _decode_key_mask(attention_mask, batch, length + 1))
-    ):
-        return None
-    library = _attention_kernel()
-    masks = () if attention_mask is None else (attention_mask,)
-    if library is None or not native.dispatch_modes_allow() or not native.plain_tensors(qkv, *masks):
-        return None
-    output = qkv.new_empty(batch, 1, heads, NATIVE_HEAD_SIZE)
-    status = library.hfgpt_attention_decode_step(
-        qkv.data_ptr(), keys.data_ptr(), values.data_ptr(), output.data_ptr(), *_key_mask_rows(attention_mask),
-        batch, heads,
-        length, *keys.stride()[:3], *values.stride()[:3], module.scaling, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        _kernel_failed(status, length + 1)
-    layer.keys, layer.values = state["_hfgpt_views"] = (
-        keys.narrow(2, 0, length + 1),
-        values.narrow(2, 0, length + 1),
-    )
-    return output
-
-
-# Spare positions a `DynamicCache` layer's buffers get when `append_to_cache` grows them: a quarter of the
-# length needed, at least `CACHE_GROWTH_MIN`, rounded up to a multiple of it.
-CACHE_GROWTH_MIN = 64
-
-
-def append_to_cache(
-    cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int
-) -> tuple[torch.Tensor, ...]:
-    """`cache.update(key, value, layer_idx)`: the keys and values so far, the new ones appended.
-
-    transformers' `DynamicCache` (the cache `generate()` makes) appends with `torch.cat`, copying the whole
-    cache of every layer at every step, a cost that grows with the batch and the length. GPT-2 124M greedy
-    decoding here, interleaved A/B: 43.4 vs 51.7 ms a step at B=4 over 64+896 positions, 54.6 vs 56.1 ms at
-    B=8 over 64+128, 13.7 vs 14.4 ms for the int8 copy at B=1; the same tokens. Here a `DynamicLayer` keeps
-    its keys and values in buffers with spare positions, writes each step's into the next free positions
-    and exposes the filled part as views (`layer.keys`, `layer.values`); a full buffer is replaced by one
-    a quarter larger. What transformers' own methods do to a layer (`crop`, beam-search `reorder_cache`,
-    `batch_select_indices`, `reset`) keeps working: they leave either a shorter view of the buffer
-    (taken up from its length) or a new tensor (copied into a new buffer at the next append).
-
-    `cache.update` itself runs for any other cache or layer kind, an offloading cache, under torch.compile,
-    and where the new keys need a gradient (autograd must keep every step's tensors intact). One
-    difference from `torch.cat`: a tensor taken from `layer.keys` earlier shows the new values if the
-    cache is cropped and appended to again, as a `StaticCache`'s would.
-    """
-    layer = _plain_dynamic_layer(cache, layer_idx)
-    if layer is None or (torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)):
-        return cache.update(key, value, layer_idx)
-    batch, heads, new, dim = key.shape
-    length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.numel() else 0
-    state = layer.__dict__
-    buffers = state.get("_hfgpt_buffers")
-    views = state.get("_hfgpt_views", ())
-    if (
-        buffers is None
-        or not layer.is_initialized
-        # (the views this function set last, untouched: ~0.3 us; else compare them, ~8 us)
-        or not (
-            views
-            and layer.keys is views[0]
-            and layer.values is views[1]
-            or _views_of(buffers, (layer.keys, layer.values))
-        )
-        or length + new > buffers[0].shape[-2]
-        or buffers[0].shape[:2] != (batch, heads)
-        or buffers[0].dtype != key.dtype
-        or (buffers[0].is_inference() and not torch.is_inference_mode_enabled())
-    ):
-        needed = length + new
-        capacity = -(-(needed + max(CACHE_GROWTH_MIN, needed // 4)) // CACHE_GROWTH_MIN) * CACHE_GROWTH_MIN
-        buffers = tuple(key.new_empty(batch, heads, capacity, dim) for _ in range(2))
-        if length:
-            for buffer, states in zip(buffers, (layer.keys, layer.values), strict=True):
-                buffer[:, :, :length].copy_(states)
-        state["_hfgpt_buffers"] = buffers
-    buffers[0].narrow(2, length, new).copy_(key)
-    buffers[1].narrow(2, length, new).copy_(value)
-    if not layer.is_initialized:
-        layer.dtype, layer.device, layer.is_initialized = key.dtype, key.device, True
-    layer.keys, layer.values = views = (
-        buffers[0].narrow(2, 0, length + new),
-        buffers[1].narrow(2, 0, length + new),
-    )
-    state["_hfgpt_views"] = views
-    return views
-
-
-def _plain_dynamic_layer(cache: Any, layer_idx: int) -> DynamicLayer | None:
-    """Layer `layer_idx` of a plain `DynamicCache` (not offloading) where it is a plain `DynamicLayer` and
-    nothing is being compiled: the layers `append_to_cache` and `decode_step_attention` write into
-    buffers of their own; else None."""
-    layers = getattr(cache, "layers", ())
-    if (
-        type(cache) is not DynamicCache
-        or cache.offloading
-        or layer_idx >= len(layers)
-        or type(layers[layer_idx]) is not DynamicLayer
-        or torch.compiler.is_compiling()
-    ):
-        return None
-    return layers[layer_idx]
-
-
-def _views_of(buffers: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether each of `tensors` is a leading part (along positions) of the matching buffer."""
-    return all(
-        t.data_ptr() == b.data_ptr()
-        and t.stride() == b.stride()
-        and t.shape[:2] == b.shape[:2]
-        and t.shape[3:] == b.shape[3:]
-        and t.shape[2] <= b.shape[2]
-        and t.dtype == b.dtype
-        for b, t in zip(buffers, tensors, strict=True)
-    )
-
-
 # Rows of a float32 weight cast at a time when `row_aligned_mm` multiplies it in a lower precision.
 CAST_BLOCK_ROWS = 4096
 
@@ -1337,14 +1201,17 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
     """
     dtype = head_product_dtype(hidden_states, head)
     rows = hidden_states.numel() // hidden_states.shape[-1] if hidden_states.shape[-1] else 0
-    if dtype is None or rows == 0:  # (an empty batch has nothing to compute faster)
+    if dtype is None:
         return head(hidden_states)
+    # (a plain nn.Linear without hooks from here on: its product is F.linear's)
+    if rows == 0:  # (an empty batch has nothing to compute faster)
+        return F.linear(hidden_states, head.weight)
     if (
         dtype != torch.float32
         and rows > FEW_ROWS
         and inference_autocast_dtype(hidden_states, head.weight) is None
     ):
-        return head(hidden_states)  # autograd saves autocast's cast of the head for backward
+        return F.linear(hidden_states, head.weight)  # autograd saves autocast's cast of the head for backward
     flat = hidden_states.reshape(rows, -1)
     if rows > FEW_ROWS and dtype == torch.float32:
         return _RowAlignedLinear.apply(flat, head.weight).view(*hidden_states.shape[:-1], -1)

@@ -16,9 +16,11 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel
+from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel, eager_attention_forward
+from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
 from . import native
 from .huge_pages import gather_into_huge_pages
@@ -30,6 +32,7 @@ from .ops import (
     has_forward_hooks,
     needs_grad,
     one_row_bfloat16,
+    onednn_bfloat16_runs,
     onednn_mm,
     onednn_runs_here,
 )
@@ -73,6 +76,7 @@ def _bfloat16_onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return (
         onednn_runs_here(x)
         and x.dtype == weight.dtype == torch.bfloat16
+        and onednn_bfloat16_runs()
         and (bias is None or bias.dtype == torch.bfloat16)
         and not needs_grad(x, weight, *([] if bias is None else [bias]))
     )
@@ -103,10 +107,29 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     integers, zero-padded to a multiple of the block) and s ([rows, blocks]); a block holding a NaN or an
     infinity gets s = NaN and q = 0, so the products come out NaN."""
     rows, width = x.shape
-    padded = torch.zeros(rows, _round_up(width, INT8_BLOCK), dtype=torch.float32, device=x.device)
-    padded[:, :width] = x
+    padded = F.pad(x.to(torch.float32), (0, _round_up(width, INT8_BLOCK) - width))  # (out of place: vmap)
     q, scale = _symmetric_int8(padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK))
     return q.view(padded.shape), scale.squeeze(-1)
+
+
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory a kernel can read (functorch's vmap and grad wrappers have none)."""
+    try:
+        tensor.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _float32_vector(tensor: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """A contiguous float32 CPU tensor of `shape`: what a kernel reads as a plain array of floats."""
+    return (
+        tensor.dtype == torch.float32
+        and tuple(tensor.shape) == shape
+        and tensor.is_contiguous()
+        and tensor.is_cpu
+        and has_storage(tensor)
+    )
 
 
 class Int8Linear(nn.Module):
@@ -136,6 +159,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.packed_in = _round_up(in_features, INT8_BLOCK)
         expected = (_round_up(out_features, INT8_TILE) // INT8_TILE, self.packed_in // 4, INT8_TILE, 4)
+        self.packed_shape = expected
         if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
             raise ValueError(
                 f"packed int8 weight must be uint8 of shape {expected}, not {packed.dtype} "
@@ -197,12 +221,21 @@ class Int8Linear(nn.Module):
         buffers = self._buffers  # (the module's __getattr__ costs ~0.7 us a buffer)
         packed = buffers["packed"]
         library = native.kernel("int8_linear") if x.is_cpu and packed.is_cpu else None
-        # (elsewhere than the CPU, torch's errors; a tensor subclass, torch's ops on it)
-        if library is None or not native.dispatch_modes_allow() or not native.plain_tensors(x):
+        # (elsewhere than the CPU, torch's errors; a tensor subclass, or buffers the kernel would misread
+        # (replaced by a user), torch's ops on them)
+        if (
+            library is None
+            or not native.dispatch_modes_allow()
+            or not native.plain_tensors(x)
+            or not self.buffers_fit_kernel()
+        ):
             with torch.no_grad():
                 return self.reference(x)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
+        if not has_storage(x):  # a functorch transform's wrapper (vmap, grad): torch's ops see through it
+            with torch.no_grad():
+                return self.reference(x)
         out = x.new_empty(*x.shape[:-1], self.out_features)
         bias = buffers["bias"]
         status = library.hfgpt_int8_linear(
@@ -214,6 +247,22 @@ class Int8Linear(nn.Module):
         if status != 0:
             raise MemoryError(f"Int8Linear: no memory for the int8 copy of a {tuple(x.shape)} input")
         return out
+
+    def buffers_fit_kernel(self) -> bool:
+        """Whether the buffers are what the kernel reads: the packed uint8 weight of this layer's shape and
+        float32 scales and bias of `out_features`, all contiguous CPU tensors with storage. A buffer
+        replaced by another (`layer.packed = ...`) otherwise sends the torch path, which checks shapes."""
+        buffers = self._buffers
+        packed, scale, bias = buffers["packed"], buffers["scale"], buffers["bias"]
+        out = (self.out_features,)
+        return (
+            packed.dtype == torch.uint8
+            and tuple(packed.shape) == self.packed_shape
+            and packed.is_contiguous()
+            and _float32_vector(scale, out)
+            and (bias is None or _float32_vector(bias, out))
+            and has_storage(packed)
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -270,7 +319,7 @@ class Int8Block(GPTBlock):
             or type(c_fc) is not Int8Linear
             or type(mlp_proj) is not Int8Linear
             or c_attn.in_features != width
-            or mlp.act is not gelu_tanh
+            or mlp.act not in (gelu_tanh, plain_gelu_tanh)
             or type(ln_1) is not nn.LayerNorm
             or type(ln_2) is not nn.LayerNorm
             or len(norms) != 4
@@ -278,6 +327,9 @@ class Int8Block(GPTBlock):
             or ln_1.eps != ln_2.eps
             or ln_1.normalized_shape != (width,)
             or ln_2.normalized_shape != (width,)
+            or not all(_float32_vector(p, (width,)) for p in norms)  # the kernel reads them as arrays
+            or not all(layer.buffers_fit_kernel() for layer in (c_attn, c_proj, c_fc, mlp_proj))
+            or not has_storage(hidden_states)
             or (torch.is_grad_enabled() and needs_grad(hidden_states, *norms))
             or torch.is_autocast_enabled("cpu")
             or torch.compiler.is_compiling()
@@ -315,7 +367,7 @@ class Int8Block(GPTBlock):
             h.data_ptr(), rows, width, *norm, eps, *_kernel_layer(c_attn, out=True), qkv.data_ptr(), threads
         )
         if status == 0:
-            output, _ = attn.attend(qkv, attention_mask, past_key_values, **kwargs)
+            output = _attend(attn, qkv, attention_mask, past_key_values, **kwargs)
             output = output.reshape(rows, width).contiguous()  # (B*T, E)
             out = torch.empty_like(h)
             status = library.hfgpt_int8_block_tail(
@@ -326,6 +378,25 @@ class Int8Block(GPTBlock):
         if status != 0:
             raise MemoryError(f"Int8Block: no memory for the scratch of a {tuple(hidden_states.shape)} input")
         return out
+
+
+def _attend(
+    attn: nn.Module, qkv: torch.Tensor, attention_mask: Any, past_key_values: Any, **kwargs: Any
+) -> torch.Tensor:
+    """What `GPTAttention.forward` computes between its c_attn and c_proj, from c_attn's (B, T, 3E) output:
+    the new keys and values into the cache, then the model's attention. Returns the (B, T, H, D) output."""
+    batch, seq_len, _ = qkv.shape
+    qkv = qkv.view(batch, seq_len, 3, attn.num_heads, attn.head_dim)
+    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, attn.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attn.config._attn_implementation, eager_attention_forward
+    )
+    output, _ = interface(
+        attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs
+    )
+    return output
 
 
 def _kernel_layer(layer: Int8Linear, out: bool = False) -> tuple[int | None, ...]:

@@ -10,7 +10,6 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from hfgpt.cpu.ops import onednn_products, use_onednn_products
 from hfgpt.tokenization import register as _register_tokenizers
 
 from .configuration_hfgpt import PRESETS, GPTConfig, translate_transformers_config
@@ -37,6 +36,11 @@ for _auto, _model in (
 # AutoTokenizer: GPT-2 folders use transformers' own GPT2Tokenizer, GPT-1 folders hfgpt's GPT1Tokenizer.
 _register_tokenizers(GPTConfig)
 
+# The CPU backend (hfgpt.cpu) kernelizes each model as it is built, unless HFGPT_CPU_BACKEND=0.
+from hfgpt.cpu.layers import install_by_default  # noqa: E402  (after the models it imports)
+
+install_by_default()
+
 __all__ = [
     "PRESETS",
     "GPTConfig",
@@ -47,7 +51,5 @@ __all__ = [
     "GPTForTokenClassification",
     "GPTModel",
     "GPTPreTrainedModel",
-    "onednn_products",
     "translate_transformers_config",
-    "use_onednn_products",
 ]

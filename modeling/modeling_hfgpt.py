@@ -1,15 +1,14 @@
 """hfgpt models: OpenAI's GPT-1 and GPT-2 decoders as transformers `PreTrainedModel`s.
 
-Order: building blocks (activation, linear layer, attention, MLP, block, sequence summary), the `PreTrainedModel`
-base, the base model, then the heads. Module names equal the keys of OpenAI's GPT-2 release and of
-transformers' `GPT2LMHeadModel` (`transformer.h.{i}.attn.c_attn`, ...), and linear weights keep their
-Conv1D layout `[in, out]`, so converting a checkpoint is a table, not a rename.
+Order: building blocks (activation, attention, MLP, block, sequence summary), the `PreTrainedModel` base, the
+base model, then the heads. Module names equal the keys of OpenAI's GPT-2 release and of transformers'
+`GPT2LMHeadModel` (`transformer.h.{i}.attn.c_attn`, ...), and linear weights keep their Conv1D layout
+`[in, out]`, so converting a checkpoint is a table, not a rename.
 
-The computations that make the layers fast (oneDNN products, banded attention, dropout masks, cache
-appends, the LM head's loss) live in `ops_hfgpt.py`, each named after the plain expression it replaces;
-this file says what the model computes. It imports only torch, transformers and those two siblings
-(with `configuration_hfgpt.py`), so that `save_pretrained` can copy all three next to a checkpoint for
-`trust_remote_code=True` users.
+This file says what GPT-1 and GPT-2 compute, with public torch and transformers APIs only: it is copied
+next to every checkpoint (with `configuration_hfgpt.py`) for `trust_remote_code=True` users, and runs the
+same on any device. Faster CPU layers plug in from outside (`hfgpt.cpu`) through `post_init_hooks`, the
+attention registry and a `Cache`; this file never imports them.
 """
 
 import os
@@ -18,16 +17,16 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -36,50 +35,19 @@ from transformers.modeling_outputs import (
     QuestionAnsweringModelOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from hfgpt.cpu.ops import (
-    IN_PLACE,
-    ONEDNN_ACTIVATIONS,
-    HeadBuffers,
-    TiedHeadGradient,
-    _OneDNNConv1D,
-    _TiedEmbedding,
-    append_to_cache,
-    banded_attention_applies,
-    cpu_banded_attention,
-    cpu_dropout_attention,
-    decode_step_attention,
-    dropout,
-    fast_dropout_applies,
-    gelu_tanh,
-    has_backward_hooks,
-    has_forward_hooks,
-    inference_autocast_dtype,
-    lm_logits_and_loss,
-    native_attention_applies,
-    native_causal_attention,
-    native_decode_attention,
-    native_decode_attention_applies,
-    needs_grad,
-    one_row_conv1d,
-    onednn_mm,
-    onednn_products,
-    onednn_products_apply,
-    project_to_vocab,
-    use_onednn_products,
-    values_readable,
-    vocab_product_dtype,
-    weighted_cross_entropy,
-    weighted_lm_loss,
-    workspace,
-)
-
 from .configuration_hfgpt import GPTConfig
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU, as both originals compute it (GPT-2 model.py `gelu`)."""
+    return F.gelu(x, approximate="tanh")
+
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_tanh,
@@ -89,51 +57,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
 }
-
-
-class GPTConv1D(Conv1D):
-    """transformers' `Conv1D` (`[in, out]` weight, the layout of both OpenAI releases; the same
-    parameters and values). On the CPU its float32 products run through oneDNN (`use_onednn_products`),
-    forward and backward. Inside CPU bfloat16 autocast without gradients its weight is cast into a reused
-    `workspace` rather than into a fresh copy each call as autocast does; the values are autocast's: the
-    same cast, the same bfloat16 `addmm`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:  # one row: a decoding step at batch size 1
-            out = one_row_conv1d(x.reshape(1, -1), self.weight, self.bias)
-            if out is not None:
-                return out.view(*x.shape[:-1], self.nf)
-        if onednn_products_apply(x, self.weight, self.bias):
-            rows = x.reshape(-1, x.shape[-1])
-            if needs_grad(x, self.weight, self.bias):
-                out = _OneDNNConv1D.apply(rows, self.weight, self.bias)
-            else:
-                out = onednn_mm(rows, self.weight.t(), self.bias)
-            return out.view(*x.shape[:-1], self.nf)
-        dtype = inference_autocast_dtype(x, self.weight, self.bias)
-        if dtype is None:
-            return super().forward(x)
-        weight = workspace(self.weight.shape, dtype, self.weight.device).copy_(self.weight)
-        with torch.autocast("cpu", enabled=False):
-            out = torch.addmm(self.bias.to(dtype), x.reshape(-1, x.shape[-1]).to(dtype), weight)
-        return out.view(*x.shape[:-1], self.nf)
-
-    def activated(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-        """`act(self(x))` with the activation computed inside oneDNN's product, as each block of the output is
-        written (no second pass over the 4E-wide activations: GPT-2's MLP input product at 1024 rows took
-        25.9-26.7 ms here against 28.9-29.3 ms for the product and an in-place GELU); or None where that
-        does not apply: an activation oneDNN lacks (`ONEDNN_ACTIVATIONS`), products not on oneDNN
-        (`onednn_products_apply`), autograd, or hooks on this layer, which the fused product would skip."""
-        post_op = ONEDNN_ACTIVATIONS.get(act)
-        if (
-            post_op is None
-            or not onednn_products_apply(x, self.weight, self.bias)
-            or needs_grad(x, self.weight, self.bias)
-            or has_forward_hooks(self)
-        ):
-            return None
-        out = onednn_mm(x.reshape(-1, x.shape[-1]), self.weight.t(), self.bias, post_op)
-        return out.view(*x.shape[:-1], self.nf)
 
 
 def eager_attention_forward(
@@ -156,13 +79,6 @@ def eager_attention_forward(
     return output, weights
 
 
-class GPTDropout(nn.Dropout):
-    """`nn.Dropout` (so code that finds dropout modules by type still does) running `dropout` above."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
-
-
 class GPTAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -175,11 +91,11 @@ class GPTAttention(nn.Module):
         self.scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scaling /= float(layer_idx + 1)
-        self.c_attn = GPTConv1D(3 * config.n_embd, config.n_embd)
-        self.c_proj = GPTConv1D(config.n_embd, config.n_embd)
+        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True  # scaled at initialisation (`scale_residual_init`)
         self.attn_dropout = config.attn_pdrop
-        self.resid_dropout = GPTDropout(config.resid_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(
         self,
@@ -189,46 +105,14 @@ class GPTAttention(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len, _ = hidden_states.shape
-        output, weights = self.attend(self.c_attn(hidden_states), attention_mask, past_key_values, **kwargs)
-        output = output.reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
-        output = self.resid_dropout(self.c_proj(output))
-        return output, weights
-
-    def attend(
-        self,
-        qkv: torch.Tensor,  # (B, T, 3E): c_attn's output
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention between c_attn and c_proj: the new keys and values into the cache, then the
-        backend's attention. Returns the (B, T, H, D) output, in the queries' dtype, and the weights."""
-        batch, seq_len, _ = qkv.shape
-        implementation = self.config._attn_implementation
-        if seq_len == 1 and past_key_values is not None and implementation == "sdpa" and not self.training:
-            # A decoding step: the cache write and the attention in one call of the C kernel, where it applies.
-            output = decode_step_attention(self, qkv, past_key_values, attention_mask)
-            if output is not None:
-                return output, None
-        qkv = qkv.view(batch, seq_len, 3, self.num_heads, self.head_dim)
+        qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
         if past_key_values is not None:
-            key, value = append_to_cache(past_key_values, key, value, self.layer_idx)
+            key, value = past_key_values.update(key, value, self.layer_idx)
 
-        attention_interface = None
-        if implementation == "sdpa":  # the CPU stand-ins for sdpa, where they apply
-            if fast_dropout_applies(query, self.attn_dropout, self.training):
-                attention_interface = cpu_dropout_attention
-            elif native_attention_applies(query, key, value, attention_mask):
-                attention_interface = native_causal_attention
-            elif native_decode_attention_applies(query, key, value, attention_mask):
-                attention_interface = native_decode_attention
-            elif banded_attention_applies(query, key, attention_mask):
-                attention_interface = cpu_banded_attention
-        if attention_interface is None:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                implementation, eager_attention_forward
-            )
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         input_dtype = query.dtype
         if input_dtype not in (torch.float32, torch.float64) and self.config.reorder_and_upcast_attn:
             # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
@@ -244,36 +128,22 @@ class GPTAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        return output.to(input_dtype), weights
+        output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
+        output = self.resid_dropout(self.c_proj(output))
+        return output, weights
 
 
 class GPTMLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = GPTConv1D(config.inner_size, config.n_embd)
-        self.c_proj = GPTConv1D(config.n_embd, config.inner_size)
+        self.c_fc = Conv1D(config.inner_size, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.inner_size)
         self.c_proj.is_residual_projection = True  # scaled at initialisation (`scale_residual_init`)
         self.act = ACTIVATIONS[config.activation_function]
-        self.dropout = GPTDropout(config.resid_pdrop)
+        self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # (quantize_for_decoding's copies replace c_fc by an nn.Linear)
-        inner = self.c_fc.activated(hidden_states, self.act) if isinstance(self.c_fc, GPTConv1D) else None
-        if inner is None:
-            inner = self.c_fc(hidden_states)
-            # In place only where nothing else can hold c_fc's output: no autograd, no forward hook.
-            in_place = IN_PLACE.get(self.act)
-            if (
-                in_place is None
-                or inner.requires_grad
-                or self.c_fc._forward_hooks
-                or _global_forward_hooks
-                or torch.jit.is_tracing()  # a trace is checked by tracing again, with grad mode as it was
-            ):
-                inner = self.act(inner)
-            else:
-                inner = in_place(inner)
-        return self.dropout(self.c_proj(inner))
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
 
 
 class GPTBlock(GradientCheckpointingLayer):
@@ -366,8 +236,9 @@ def record_every_head(config: GPTConfig) -> None:
     config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MAP}
 
 
-# The code files of a checkpoint for trust_remote_code users: the two `AUTO_MAP` names and what they import.
-REMOTE_CODE_FILES = ("configuration_hfgpt.py", "modeling_hfgpt.py", "ops_hfgpt.py")
+# The code files of a checkpoint for trust_remote_code users: the two `AUTO_MAP` modules, which import
+# nothing else of hfgpt.
+REMOTE_CODE_FILES = ("configuration_hfgpt.py", "modeling_hfgpt.py")
 
 
 def copy_remote_code(save_directory: str | os.PathLike) -> None:
@@ -389,6 +260,14 @@ def _unpoolable_batch(n_rows: int, clf_id: int | None = None) -> ValueError:
     )
 
 
+def weighted_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """sum_i weights[i] * CE(logits[i], targets[i]) over rows, computed in float32."""
+    losses = F.cross_entropy(logits.float(), targets, reduction="none")
+    return (losses * weights).sum()
+
+
 class GPTPreTrainedModel(PreTrainedModel):
     config_class = GPTConfig
     config: GPTConfig
@@ -407,6 +286,15 @@ class GPTPreTrainedModel(PreTrainedModel):
     }
     # Causal-mask buffers of older GPT-2 / OpenAIGPT checkpoints; masks are built on the fly here.
     _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
+    # Called with every new model at the end of `post_init`: the seam through which an installed backend
+    # (hfgpt's CPU layers, `hfgpt.cpu.kernelize`) swaps in faster layers. A checkpoint's copy of this file
+    # has none registered, so it computes exactly what is written here.
+    post_init_hooks: ClassVar[list[Callable[[nn.Module], None]]] = []
+
+    def post_init(self) -> None:
+        super().post_init()
+        for hook in GPTPreTrainedModel.post_init_hooks:
+            hook(self)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -463,65 +351,20 @@ class GPTPreTrainedModel(PreTrainedModel):
         # Rightmost non-pad token: works for left and right padding alike (as GPT2ForSequenceClassification).
         return (positions * (input_ids != pad_id)).argmax(-1)
 
-    def _embed_for_tied_head(
-        self,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        head_weight: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TiedHeadGradient | None]:
-        """(input_ids, inputs_embeds, tied) for the base model, where the LM loss will run with `head_weight`.
-
-        When that weight is the token embeddings' (as saved) and the loss runs `_LinearCrossEntropy` with
-        gradients (CPU, float32 weights, autocast included), the embeddings are looked up here through `_TiedEmbedding`, with the `TiedHeadGradient` the loss hands the head's
-        gradient to: (None, embeddings, tied). Elsewhere (an embedding module with hooks or options, such
-        as Trainer's NEFTune hook; a head without a float weight, as an int8 decoding copy's), the inputs
-        unchanged and None."""
-        wte = self.transformer.wte
-        if (
-            input_ids is None
-            or inputs_embeds is not None
-            or not torch.is_grad_enabled()
-            or type(wte) is not nn.Embedding
-            or wte.weight is not head_weight
-            or not head_weight.requires_grad
-            or vocab_product_dtype(head_weight, head_weight) is None
-            or has_forward_hooks(wte)
-            or has_backward_hooks(wte)
-            or (wte.padding_idx, wte.max_norm, wte.scale_grad_by_freq, wte.sparse)
-            != (None, None, False, False)
-        ):
-            return input_ids, inputs_embeds, None
-        self.transformer.check_input_ids(input_ids)
-        buffers = self.__dict__.get("_head_buffers")
-        if buffers is None:  # kept between training steps, dropped by eval() (`train`)
-            buffers = self.__dict__["_head_buffers"] = HeadBuffers()
-        tied = TiedHeadGradient(buffers)
-        return None, _TiedEmbedding.apply(input_ids, head_weight, tied), tied
-
-    def train(self, mode: bool = True) -> "GPTPreTrainedModel":
-        """`nn.Module.train`; switching to evaluation (`eval()`) also frees the memory kept for the tied LM
-        head's logits and gradient between training steps (`HeadBuffers`: GPT-2 360 MB after a CPU float32
-        training step at B=4x256)."""
-        if not mode:
-            self.__dict__.pop("_head_buffers", None)
-        return super().train(mode)
-
     def _auxiliary_lm_loss(
         self,
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        head: nn.Module | torch.Tensor,
-        tied: TiedHeadGradient | None = None,
+        head: nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """GPT-1's auxiliary LM objective L1 on the task inputs (Radford et al. 2018, §3.2, train.py `model`):
         next-token cross-entropy with the (tied) LM head, averaged over each sequence's real tokens (mask
         M[:, 1:]), then over sequences. Returns the LM logits at every position and L1. One deliberate
         difference: train.py's single matrix `we` also holds the position rows, so its softmax normalises
         over them too; here it runs over the vocabulary only, as every LM head in transformers does
-        (targets are never positions). `head` is the LM head or its weight; a head without a float weight
-        (an int8 decoding copy's) computes the logits itself and the loss follows from them."""
-        head_weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
+        (targets are never positions). `head` is the LM head, or the token embeddings it is tied to."""
+        head_weight = getattr(head, "weight", None)
         if isinstance(head_weight, torch.Tensor) and head_weight.is_meta and not hidden_states.is_meta:
             # accelerate's offloading (device_map) keeps it there outside the module's own call; a product
             # of real hidden states with it would not fail but return garbage.
@@ -530,6 +373,18 @@ class GPTPreTrainedModel(PreTrainedModel):
                 "tied token embeddings), which is offloaded (on the meta device): load the model without "
                 "offloading transformer.wte (and lm_head), or set config.lm_loss_weight = 0."
             )
+        targets, weights = self._auxiliary_lm_targets(input_ids, attention_mask)
+        logits = (
+            F.linear(hidden_states, head.weight) if isinstance(head, nn.Embedding) else head(hidden_states)
+        )
+        return logits, weighted_cross_entropy(logits.reshape(len(weights), -1), targets, weights)
+
+    def _auxiliary_lm_targets(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next-token targets at every position and each one's weight in L1: 1 / (its sequence's count
+        of real next tokens) / (the number of sequences); the last position, which has no next token,
+        weighs 0 (so one head product gives every position's logits)."""
         seq_len = input_ids.shape[-1]
         targets = input_ids.reshape(-1, seq_len)[:, 1:]
         if attention_mask is not None:
@@ -538,26 +393,32 @@ class GPTPreTrainedModel(PreTrainedModel):
             mask = (targets != self.config.pad_token_id).float()
         else:
             mask = torch.ones_like(targets, dtype=torch.float32)
-        # Each counted next token weighs 1 / (its sequence's count) / (the number of sequences); the last
-        # position, which has no next token, weighs 0 (so one head product gives every position's logits).
         weights = F.pad(mask / mask.sum(-1, keepdim=True).clamp(min=1) / len(targets), (0, 1)).reshape(-1)
-        flat_targets = F.pad(targets, (0, 1)).reshape(-1)
-        if not isinstance(head_weight, torch.Tensor):
-            logits = project_to_vocab(hidden_states, head)
-            return logits, weighted_cross_entropy(logits.reshape(len(weights), -1), flat_targets, weights)
-        logits, loss = weighted_lm_loss(
-            hidden_states.reshape(-1, hidden_states.shape[-1]), head_weight, flat_targets, weights, tied
-        )
-        return logits.view(*hidden_states.shape[:-1], -1), loss
+        return F.pad(targets, (0, 1)).reshape(-1), weights
+
+
+def _values_readable(*tensors: torch.Tensor) -> bool:
+    """Whether the values of `tensors` can be read back to check them: plain tensors (not fake, functional,
+    batched or other subclasses), eagerly (outside compile, export and tracing), not on the meta device."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    for tensor in tensors:
+        if type(tensor) is not torch.Tensor or tensor.is_meta:
+            return False
+        try:
+            tensor.data_ptr()  # functorch's vmap and grad wrappers have no memory of their own
+        except RuntimeError:
+            return False
+    return True
 
 
 def _cache_batch(cache: Cache | None) -> int | None:
     """The batch size a `DynamicCache`'s keys were stored for (its append would broadcast a batch of one
     to any other, silently); None for other caches, which check their own shapes."""
     layers = getattr(cache, "layers", None)
-    if not layers or type(layers[0]) is not DynamicLayer or not layers[0].is_initialized:
+    if not isinstance(cache, DynamicCache) or not layers or not getattr(layers[0], "is_initialized", False):
         return None
-    keys = layers[0].keys
+    keys = getattr(layers[0], "keys", None)
     return keys.shape[0] if isinstance(keys, torch.Tensor) and keys.ndim == 4 else None
 
 
@@ -576,7 +437,7 @@ class GPTModel(GPTPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.drop = GPTDropout(config.embd_pdrop)
+        self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([GPTBlock(config, layer_idx=i) for i in range(config.n_layer)])
         # GPT-2 adds a final layer norm after the last pre-norm block; GPT-1 has none.
         self.ln_f = (
@@ -681,6 +542,10 @@ class GPTModel(GPTPreTrainedModel):
         # Leading dimensions beyond the batch (e.g. (B, choices, T) for multiple choice) are flattened.
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         seq_len = input_shape[-1]
+        if seq_len == 0:
+            raise ValueError(
+                f"The input has no tokens (shape {tuple(input_shape)}): pass at least one token per sequence."
+            )
         if input_ids is not None:
             input_ids = input_ids.reshape(-1, seq_len)
         else:
@@ -693,7 +558,7 @@ class GPTModel(GPTPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
-        if values_readable(*checked):  # eager, real tensors
+        if _values_readable(*checked):
             cache_batch = _cache_batch(past_key_values) if past_seen else None
             self._check_inputs(
                 input_ids,
@@ -749,6 +614,13 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
+    def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if isinstance(ids, torch.Tensor) and ids.ndim > 0 and ids.shape[0] == 0:
+            # (transformers' loop fails inside a max() over the empty batch)
+            raise ValueError(f"generate() got a batch of 0 sequences (input shape {tuple(ids.shape)}).")
+        return super().generate(inputs, *args, **kwargs)
+
     @can_return_tuple
     def forward(
         self,
@@ -765,12 +637,6 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """`labels` are the input ids (shifted inside, -100 ignored); `logits_to_keep=k` computes
         logits for the last k positions only (generate() asks for 1)."""
-        fused_loss = labels is not None and getattr(self, "_loss_function", None) is None
-        tied = None
-        if fused_loss:
-            input_ids, inputs_embeds, tied = self._embed_for_tied_head(
-                input_ids, inputs_embeds, getattr(self.lm_head, "weight", None)
-            )
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
             past_key_values=past_key_values,
@@ -782,17 +648,13 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             return_dict=True,  # the heads read fields; their own return_dict is handled by can_return_tuple
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
         loss = None
-        if fused_loss:
-            # transformers' causal-LM loss (ForCausalLMLoss), computed together with the head.
-            logits, loss = lm_logits_and_loss(
-                hidden_states, self.lm_head, labels, self.config.vocab_size, tied=tied, **kwargs
-            )
-        else:
-            logits = project_to_vocab(hidden_states, self.lm_head)
-            if labels is not None:  # a loss_function the user set
-                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        if labels is not None:
+            # transformers' causal-LM loss (ForCausalLMLoss): shifted, float32, -100 ignored.
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -851,20 +713,14 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> GPTSequenceClassifierOutput:
-        embedding_weight = self.get_input_embeddings().weight
         auxiliary_lm = labels is not None and self.config.lm_loss_weight > 0 and input_ids is not None
-        ids, embeds, tied = (
-            self._embed_for_tied_head(input_ids, inputs_embeds, embedding_weight)
-            if auxiliary_lm
-            else (input_ids, inputs_embeds, None)
-        )
         outputs: BaseModelOutputWithPast = self.transformer(
-            ids,
+            input_ids,
             past_key_values=past_key_values,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
-            inputs_embeds=embeds,
+            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,
             **kwargs,
@@ -883,7 +739,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             loss = classification_loss
             if auxiliary_lm:
                 _, lm_loss = self._auxiliary_lm_loss(
-                    hidden, input_ids, attention_mask, embedding_weight, tied
+                    hidden, input_ids, attention_mask, self.get_input_embeddings()
                 )
                 loss = classification_loss + self.config.lm_loss_weight * lm_loss
         return GPTSequenceClassifierOutput(
@@ -911,7 +767,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             return F.mse_loss(logits, labels.to(logits.dtype))
         if self.config.problem_type == "single_label_classification":
             flat = labels.reshape(-1)
-            if values_readable(flat):
+            if _values_readable(flat):
                 bad = flat[(flat != -100) & ((flat < 0) | (flat >= self.num_labels))]
                 if bad.numel():
                     raise ValueError(
@@ -976,18 +832,13 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             and self.config.lm_loss_weight > 0
             and input_ids is not None
         )
-        ids, embeds, tied = (
-            self._embed_for_tied_head(input_ids, inputs_embeds, getattr(self.lm_head, "weight", None))
-            if labels is not None or auxiliary_lm
-            else (input_ids, inputs_embeds, None)
-        )
         outputs: BaseModelOutputWithPast = self.transformer(
-            ids,
+            input_ids,
             past_key_values=past_key_values,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
-            inputs_embeds=embeds,
+            inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,
             **kwargs,
@@ -1003,16 +854,12 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
         mc_loss = lm_loss = loss = None
         if mc_labels is not None:
             mc_loss = F.cross_entropy(mc_logits.reshape(-1, mc_logits.size(-1)), mc_labels.reshape(-1))
-        if labels is not None:
-            lm_logits, lm_loss = lm_logits_and_loss(
-                hidden, self.lm_head, labels, self.config.vocab_size, tied=tied
-            )
-        elif auxiliary_lm:
-            lm_logits, lm_loss = self._auxiliary_lm_loss(
-                hidden, input_ids, attention_mask, self.lm_head, tied
-            )
+        if auxiliary_lm:
+            lm_logits, lm_loss = self._auxiliary_lm_loss(hidden, input_ids, attention_mask, self.lm_head)
         else:
-            lm_logits = project_to_vocab(hidden, self.lm_head)
+            lm_logits = self.lm_head(hidden)
+            if labels is not None:  # transformers' causal-LM loss: shifted, float32, -100 ignored
+                lm_loss = ForCausalLMLoss(lm_logits, labels, vocab_size=self.config.vocab_size)
         if mc_loss is not None:
             loss = mc_loss if lm_loss is None else mc_loss + self.config.lm_loss_weight * lm_loss
         else:
@@ -1140,6 +987,4 @@ __all__ = [
     "GPTForTokenClassification",
     "GPTModel",
     "GPTPreTrainedModel",
-    "onednn_products",
-    "use_onednn_products",
 ]

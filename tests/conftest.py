@@ -86,3 +86,40 @@ def cpu_products(request):
         pytest.skip("this torch build has no oneDNN")
     with ops_hfgpt.onednn_products(request.param == "onednn"):
         yield request.param
+
+
+# The test modules of hfgpt.cpu itself: their models are built kernelized even where the environment
+# switches the backend's default off (HFGPT_CPU_BACKEND=0), so that the whole suite runs either way:
+# the other modules then test the plain model, these the backend through explicit kernelization.
+BACKEND_TEST_MODULES = {
+    "test_attention_kernel",
+    "test_backend",
+    "test_dropout_kernel",
+    "test_gelu_kernel",
+    "test_huge_pages",
+    "test_int8_block",
+    "test_int8_kernel",
+    "test_kernel_misuse",
+    "test_loss_kernel",
+    "test_onednn_products",
+    "test_performance",
+    "test_quantization",
+    "test_row_product_kernel",
+}
+
+
+@pytest.fixture(autouse=True)
+def backend_for_backend_tests(request):
+    from hfgpt.cpu import layers
+    from hfgpt.modeling import GPTPreTrainedModel
+
+    hooks = GPTPreTrainedModel.post_init_hooks
+    module = request.module.__name__.rpartition(".")[2]
+    if module not in BACKEND_TEST_MODULES or layers._kernelize_new_model in hooks:
+        yield
+        return
+    hooks.append(layers._kernelize_new_model)
+    try:
+        yield
+    finally:
+        hooks.remove(layers._kernelize_new_model)

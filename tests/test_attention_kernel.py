@@ -18,7 +18,6 @@ from test_performance import (  # tests/ is on sys.path
     seeded_step,
 )
 from torch.testing._internal.two_tensor import TwoTensor
-from transformers.cache_utils import DynamicCache
 
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import (
@@ -26,7 +25,7 @@ from hfgpt.cpu.ops import (
     native_causal_attention,
     native_decode_attention,
 )
-from hfgpt.modeling import GPTConfig, GPTForCausalLM, modeling_hfgpt
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 
 def _cpu_has_avx512() -> bool:
@@ -199,7 +198,7 @@ def prefill_calls(monkeypatch) -> list[torch.Size]:
     """Records the query shape of each attention the model runs on the kernel without autograd."""
     calls = []
     monkeypatch.setattr(
-        modeling_hfgpt,
+        ops_hfgpt,
         "native_causal_attention",
         lambda *a, **k: calls.append(a[1].shape) or native_causal_attention(*a, **k),
     )
@@ -231,8 +230,8 @@ def test_model_prefill_runs_the_kernel_and_equals_its_autograd_forward(layer_nor
 
 @pytest.fixture
 def decode_calls(monkeypatch) -> list[tuple]:
-    """Records (query shape, key shape, mask shape or None) of each decoding step's attention on the kernel:
-    `native_decode_attention` after `append_to_cache`, or both in one call (`decode_step_attention`)."""
+    """Records (query shape, key shape, mask shape or None) of each decoding step's attention on the kernel
+    (`native_decode_attention`)."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -242,16 +241,7 @@ def decode_calls(monkeypatch) -> list[tuple]:
         )
         return native_decode_attention(*args, **kwargs)
 
-    def step_spy(module, qkv, cache, mask):
-        output = ops_hfgpt.decode_step_attention(module, qkv, cache, mask)
-        if output is not None:
-            keys = cache.layers[module.layer_idx].keys
-            query = (qkv.shape[0], module.num_heads, 1, module.head_dim)
-            calls.append((query, tuple(keys.shape), None if mask is None else tuple(mask.shape)))
-        return output
-
-    monkeypatch.setattr(modeling_hfgpt, "native_decode_attention", spy)
-    monkeypatch.setattr(modeling_hfgpt, "decode_step_attention", step_spy)
+    monkeypatch.setattr(ops_hfgpt, "native_decode_attention", spy)
     return calls
 
 
@@ -275,16 +265,15 @@ def test_generate_with_the_kernels_gives_the_tokens_of_sdpa(batch, prefill_calls
         for step in range(1, 12)
         for _ in range(2)
     ]
-    monkeypatch.setattr(modeling_hfgpt, "native_attention_applies", lambda *a: False)
-    monkeypatch.setattr(modeling_hfgpt, "native_decode_attention_applies", lambda *a: False)
-    monkeypatch.setattr(modeling_hfgpt, "decode_step_attention", lambda *a: None)
+    monkeypatch.setattr(ops_hfgpt, "native_attention_applies", lambda *a: False)
+    monkeypatch.setattr(ops_hfgpt, "native_decode_attention_applies", lambda *a: False)
     assert torch.equal(with_kernel, model.generate(ids, **kwargs))
     assert len(prefill_calls) == (2 if batch == 1 else 0) and len(decode_calls) == 22
 
 
 def _cached_step(batch: int, heads: int, keys: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """One decoding step's query (a view of its projection) and cached keys and values (the first `keys`
-    positions of buffers with spare ones, as `append_to_cache` keeps them)."""
+    positions of buffers with spare ones)."""
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, 1, 3, heads, 64, generator=generator).permute(2, 0, 3, 1, 4)[0]
     key, value = (
@@ -535,80 +524,3 @@ def test_gradient_checkpointing_replays_the_kernels_keep_masks(kernel_calls):
     model = GPTForCausalLM(_config(resid_pdrop=0.3, attn_pdrop=0.3)).train()
     assert_checkpointing_keeps_the_gradients(model, torch.randint(0, 96, (2, 150)))
     assert kernel_calls.count("forward") == 2 + 4  # the checkpointed step runs each forward twice
-
-
-class _Heads(torch.nn.Module):
-    """What `decode_step_attention` reads of an attention module."""
-
-    def __init__(self, heads: int, layer_idx: int = 0):
-        super().__init__()
-        self.num_heads, self.head_dim, self.layer_idx, self.scaling = heads, 64, layer_idx, 0.125
-
-
-def _prompt_cache(batch: int, heads: int, length: int) -> DynamicCache:
-    cache = DynamicCache(config=_config())
-    generator = torch.Generator().manual_seed(1)
-    key, value = (torch.randn(batch, heads, length, 64, generator=generator) for _ in range(2))
-    ops_hfgpt.append_to_cache(cache, key, value, 0)
-    return cache
-
-
-@needs_kernel
-@pytest.mark.parametrize("masked", [False, True])
-def test_decode_step_attention_equals_the_cache_append_then_the_decoding_kernel(masked):
-    """Step after step, up to full buffers and past them: the same outputs, keys and values, bit for bit,
-    as `append_to_cache` then `native_decode_attention`; at a full buffer it returns None and leaves the
-    cache as it was, and the general path grows it."""
-    batch, heads, length = 3, 2, 50
-    ours, theirs = _prompt_cache(batch, heads, length), _prompt_cache(batch, heads, length)
-    capacity = ours.layers[0]._hfgpt_buffers[0].shape[2]
-    module = _Heads(heads)
-    generator = torch.Generator().manual_seed(2)
-    padding = torch.zeros(batch, dtype=torch.long) if not masked else torch.tensor([0, 5, 49])
-    fast = 0
-    for step in range(capacity - length + 3):
-        keys = length + step + 1
-        mask = (torch.arange(keys) >= padding[:, None])[:, None, None, :] if masked else None
-        qkv = torch.randn(batch, 1, 3 * heads * 64, generator=generator)
-        query, key, value = qkv.view(batch, 1, 3, heads, 64).permute(2, 0, 3, 1, 4).unbind(0)
-
-        def general(cache: DynamicCache, query=query, key=key, value=value, mask=mask) -> torch.Tensor:
-            cached = ops_hfgpt.append_to_cache(cache, key, value, 0)
-            return native_decode_attention(module, query, *cached, mask, scaling=0.125)[0]
-
-        before = ours.layers[0].keys
-        got = ops_hfgpt.decode_step_attention(module, qkv, ours, mask)
-        expected = general(theirs)
-        if got is None:  # the buffer is full: nothing changed, the general path takes the step
-            assert keys > capacity and ours.layers[0].keys is before
-            got = general(ours)
-        else:
-            fast += 1
-        assert torch.equal(got, expected)
-        assert torch.equal(ours.layers[0].keys, theirs.layers[0].keys)
-        assert torch.equal(ours.layers[0].values, theirs.layers[0].values)
-    assert fast == capacity - length + 2  # each step the buffers had room for, and the two after growing
-
-
-@needs_kernel
-@pytest.mark.parametrize(
-    "case", ["two positions", "cropped", "gradient", "autocast", "mask of another length", "buffer of 48"]
-)
-def test_decode_step_attention_leaves_everything_else_to_the_general_path(case):
-    cache = _prompt_cache(1, 2, 10)
-    module, layer = _Heads(2), cache.layers[0]
-    qkv = torch.randn(1, 2 if case == "two positions" else 1, 3 * 2 * 64)
-    mask = None
-    if case == "cropped":
-        cache.crop(-2)  # (assisted decoding's rejected tokens: a new, shorter view of the buffer)
-    elif case == "gradient":
-        qkv.requires_grad_(True)
-    elif case == "mask of another length":
-        mask = torch.ones(1, 1, 1, 12, dtype=torch.bool)
-    elif case == "buffer of 48":
-        layer._hfgpt_buffers = tuple(b[..., :48] for b in layer._hfgpt_buffers)
-    keys = layer.keys
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
-    with context:
-        assert ops_hfgpt.decode_step_attention(module, qkv, cache, mask) is None
-    assert layer.keys is keys

@@ -111,7 +111,7 @@ def test_output_carries_remote_code_for_every_head(gpt2_out):
 
     config = json.loads((gpt2_out / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP
-    for name in ("modeling_hfgpt.py", "configuration_hfgpt.py", "ops_hfgpt.py"):
+    for name in ("modeling_hfgpt.py", "configuration_hfgpt.py"):
         assert (gpt2_out / name).read_text() == (ROOT / "modeling" / name).read_text()
 
 

@@ -22,6 +22,7 @@ from huggingface_hub import HfApi, ModelCard, get_hf_file_metadata, hf_hub_downl
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file, save_file
 
+from hfgpt.cpu import unkernelize
 from hfgpt.modeling import GPTForCausalLM
 from hfgpt.scripts.convert_openai_checkpoint import convert_openai_checkpoint
 from hfgpt.scripts.push_to_hub import PushError, collect_upload, push_to_hub
@@ -110,8 +111,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_file(weights, second / "model.safetensors", metadata={"format": "pt"})
     expected = {}
     for name, path in (("first", first), ("second", second)):
+        model = GPTForCausalLM.from_pretrained(path).eval()
         with torch.no_grad():
-            expected[name] = GPTForCausalLM.from_pretrained(path).eval()(torch.tensor(INPUT_IDS)).logits
+            expected[name] = model(torch.tensor(INPUT_IDS)).logits
+            # What the checkpoint's own code computes (trust_remote_code): the plain model, no CPU backend.
+            expected[f"{name} plain"] = unkernelize(model)(torch.tensor(INPUT_IDS)).logits
     torch.save(expected, root / "expected.pt")
     assert not torch.equal(expected["first"], expected["second"])
     return {"first": first, "second": second, "expected": root / "expected.pt"}
@@ -205,10 +209,10 @@ def test_repo_holds_weights_config_code_tokenizer_generation_config_and_card(
         "tokenizer_config.json",
         "configuration_hfgpt.py",
         "modeling_hfgpt.py",
-        "ops_hfgpt.py",
         "README.md",
     ):
         assert name in files, name
+    assert "ops_hfgpt.py" not in files  # the CPU backend stays with hfgpt, never beside a checkpoint
     api = HfApi(endpoint=hub.url, token=TOKEN)
     config = json.loads(
         Path(api.hf_hub_download("tester/gpt2-tiny", "config.json", cache_dir=pushed["home"])).read_text()
@@ -290,8 +294,8 @@ def test_load_with_trust_remote_code_where_hfgpt_cannot_be_imported(
     assert facts["model_module"].startswith("transformers_modules.")  # the code files from the repo
     assert facts["classifier"] == "GPTForSequenceClassification" and facts["classifier_labels"] == 3
     assert facts["tokens"] == INPUT_IDS[0]
-    torch.testing.assert_close(logits["main"], pushed["expected"]["second"], rtol=0, atol=0)
-    torch.testing.assert_close(logits["commit1"], pushed["expected"]["first"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["main"], pushed["expected"]["second plain"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["commit1"], pushed["expected"]["first plain"], rtol=0, atol=0)
 
 
 # --- tokens and private repos --------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""`append_to_cache` (ops_hfgpt.py): appends to transformers' `DynamicCache` layers into buffers with spare
-positions instead of `torch.cat`, with the same keys and values as `DynamicCache.update` through everything
-transformers does to a cache (cropping, beam reordering, batch selection, reset)."""
+"""Generation through transformers' `DynamicCache`: greedy, assisted (the cache cropped), left-padded past
+the context's columns, and a prompt cache reused across calls, all with transformers' tokens."""
 
 import copy
 
@@ -8,7 +7,6 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hfgpt.cpu.ops import append_to_cache
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
 
@@ -28,72 +26,10 @@ def assert_same_layers(got: DynamicCache, expected: DynamicCache) -> None:
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
-def test_appends_equal_dynamic_cache_updates_through_crop_reorder_select_and_reset():
-    config = GPTConfig(**TINY)
-    ours, theirs = DynamicCache(config=config), DynamicCache(config=config)
-    seed, batch = 0, 3
-
-    def append(length: int) -> None:
-        nonlocal seed
-        for layer in range(2):
-            seed += 1
-            key, value = states(batch, length, seed)
-            got = append_to_cache(ours, key, value, layer)
-            expected = theirs.update(key, value, layer)
-            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-        assert_same_layers(ours, theirs)
-
-    append(7)  # the prompt: a buffer with spare positions
-    buffer = ours.layers[0]._hfgpt_buffers[0]
-    assert buffer.shape[2] > 7
-    for _ in range(buffer.shape[2] - 7):  # decoding steps fill the spare positions in place...
-        append(1)
-    assert ours.layers[0]._hfgpt_buffers[0] is buffer
-    assert ours.layers[0].keys.data_ptr() == buffer.data_ptr()
-    append(1)  # ...and one more grows it, keeping what was there
-    assert ours.layers[0]._hfgpt_buffers[0].shape[2] > buffer.shape[2]
-    for cache in (ours, theirs):
-        cache.crop(-5)  # assisted decoding drops rejected tokens: a shorter view of the buffer
-    assert_same_layers(ours, theirs)
-    append(3)  # written over the dropped positions
-    for cache in (ours, theirs):
-        cache.reorder_cache(torch.tensor([2, 0, 0]))  # beam search: new tensors, copied at the next append
-    append(1)
-    for cache in (ours, theirs):
-        cache.batch_select_indices(torch.tensor([1, 2]))
-    batch = 2
-    append(2)
-    for cache in (ours, theirs):
-        cache.reset()
-    append(4)
-
-
-def test_falls_back_to_the_cache_update_where_the_tensors_must_stay_intact():
-    """With a gradient to keep, each step's tensors must stay as autograd saw them: plain `update`."""
-    cache = DynamicCache(config=GPTConfig(**TINY))
-    key, value = states(2, 5, 0)
-    append_to_cache(cache, key.requires_grad_(), value, 0)
-    assert "_hfgpt_buffers" not in cache.layers[0].__dict__
-    with torch.no_grad():
-        append_to_cache(cache, *states(2, 1, 1), 1)
-    assert "_hfgpt_buffers" in cache.layers[1].__dict__
-
-
-def test_a_cache_filled_in_inference_mode_is_appended_to_outside_it():
-    cache = DynamicCache(config=GPTConfig(**TINY))
-    with torch.inference_mode():
-        append_to_cache(cache, *states(1, 6, 0), 0)
-    keys, _ = append_to_cache(cache, *states(1, 1, 1), 0)  # writing into an inference tensor would raise
-    assert keys.shape[2] == 7 and not keys.is_inference()
-    assert torch.equal(keys[:, :, :6], states(1, 6, 0)[0])
-
-
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])
-def test_generation_with_grown_buffers_and_assisted_decoding_matches_transformers(
-    layer_norm_position, monkeypatch
-):
-    """Greedy decoding long enough to grow the buffers twice, and assisted decoding (which crops the cache
-    after rejected draft tokens) give transformers' tokens; the cache holds views of the buffers."""
+def test_long_generation_and_assisted_decoding_match_transformers(layer_norm_position, monkeypatch):
+    """Greedy decoding of 100 tokens, and assisted decoding (which crops the cache after rejected draft
+    tokens) give transformers' tokens."""
     torch.manual_seed(0)
     config = GPTConfig(**TINY, layer_norm_position=layer_norm_position)
     ours = GPTForCausalLM(config).eval()
@@ -114,18 +50,6 @@ def test_generation_with_grown_buffers_and_assisted_decoding_matches_transformer
     assert torch.equal(out.sequences, expected)
     assert crops  # the draft's tokens were rejected at least once
     assert torch.equal(assisted, expected[:1, : 9 + 30])
-    layer = out.past_key_values.layers[0]
-    assert layer.keys.data_ptr() == layer._hfgpt_buffers[0].data_ptr()
-
-
-def test_a_compiled_graph_appends_through_the_cache_update(monkeypatch):
-    calls = []
-    monkeypatch.setattr(DynamicCache, "update", lambda self, *args: calls.append(args[2]) or args[:2])
-    cache = DynamicCache(config=GPTConfig(**TINY))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    append_to_cache(cache, *states(1, 2, 0), 0)
-    monkeypatch.undo()
-    assert calls == [0]
 
 
 @pytest.mark.parametrize("layer_norm_position", ["pre", "post"])

@@ -371,7 +371,12 @@ def test_save_and_reload_through_auto_classes(tmp_path, auto, head):
         "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
     }  # fmt: skip
-    for name in ("configuration_hfgpt.py", "modeling_hfgpt.py", "ops_hfgpt.py"):
+    # The plain model's two files, and no other code, travel with a checkpoint.
+    assert sorted(path.name for path in tmp_path.glob("*.py")) == [
+        "configuration_hfgpt.py",
+        "modeling_hfgpt.py",
+    ]
+    for name in ("configuration_hfgpt.py", "modeling_hfgpt.py"):
         assert (tmp_path / name).read_text() == (MODELING_DIR / name).read_text(), name
     assert (tmp_path / "model.safetensors").exists()
     assert isinstance(AutoConfig.from_pretrained(tmp_path), GPTConfig)

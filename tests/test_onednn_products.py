@@ -7,6 +7,7 @@ import torch
 from test_performance import conv1d_pair  # tests/ is on sys.path (pytest's default import mode)
 
 from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.layers import conv1d_activated
 from hfgpt.cpu.ops import onednn_products_apply, use_onednn_products
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
@@ -89,7 +90,7 @@ def test_conv1d_with_a_bias_that_is_not_contiguous_equals_transformers_conv1d(bi
     with torch.no_grad():
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
         gelu = ops_hfgpt.gelu_tanh
-        torch.testing.assert_close(ours.activated(x, gelu), gelu(expected), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv1d_activated(ours, x, gelu), gelu(expected), atol=1e-5, rtol=1e-5)
     assert len(onednn_calls) == 5  # all on oneDNN: forward, the two of backward, without autograd, fused
 
 

@@ -1,4 +1,4 @@
-"""The CPU speed-ups in ops_hfgpt.py (and the layers of modeling_hfgpt.py that call them) compute what the plain PyTorch / transformers code computes:
+"""The CPU speed-ups in hfgpt.cpu (ops.py, and the layers kernelize swaps into a model) compute what the plain PyTorch / transformers code computes:
 the LM head (`project_to_vocab`), the head with the causal-LM loss (`lm_logits_and_loss`, `log_sum_exp`),
 dropout (`dropout`, `GPTDropout`, `masked_scale`), training attention with dropout
 (`cpu_dropout_attention`), inference attention in bands (`cpu_banded_attention`), the in-place MLP
@@ -7,6 +7,7 @@ activation and weight casts into a `workspace` under autocast (`GPTConv1D`, `wei
 import copy
 import pickle
 import threading
+from types import MethodType
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
 from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu.layers import conv1d_forward
 from hfgpt.cpu.ops import (
     banded_attention_applies,
     cpu_banded_attention,
@@ -36,17 +38,20 @@ from hfgpt.cpu.ops import (
 )
 from hfgpt.modeling import (
     GPTConfig,
-    GPTDoubleHeadsModel,
     GPTForCausalLM,
-    GPTForSequenceClassification,
-    modeling_hfgpt,
 )
 from hfgpt.modeling.interop import to_transformers
-from hfgpt.modeling.modeling_hfgpt import GPTConv1D
 
 TINY = dict(
     vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
 )
+
+
+def GPTConv1D(nf: int, nx: int) -> Conv1D:  # noqa: N802  (named as the layer it builds)
+    """transformers' `Conv1D` with hfgpt's CPU forward swapped in, as `hfgpt.cpu.kernelize` does in a model."""
+    layer = Conv1D(nf, nx)
+    layer.forward = MethodType(conv1d_forward, layer)
+    return layer
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 16, 17, 40])
@@ -106,7 +111,7 @@ def test_conv1d_at_one_row_splits_its_weight_rows_between_threads(width, torch_t
     ours.load_state_dict(theirs.state_dict())
     results = []
     monkeypatch.setattr(
-        modeling_hfgpt, "one_row_conv1d", lambda *args: results.append(one_row_conv1d(*args)) or results[-1]
+        ops_hfgpt, "one_row_conv1d", lambda *args: results.append(one_row_conv1d(*args)) or results[-1]
     )
     x = torch.randn(1, 1, width)
     with torch.no_grad():
@@ -452,9 +457,9 @@ def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch):
     bfloat16), the few-row head from float32 weights; logits agree with transformers' GPT-2 in the same
     autocast to bfloat16's precision."""
     banded = []
-    original = modeling_hfgpt.cpu_banded_attention
+    original = ops_hfgpt.cpu_banded_attention
     monkeypatch.setattr(
-        modeling_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].dtype) or original(*a, **k)
+        ops_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].dtype) or original(*a, **k)
     )
     torch.manual_seed(0)
     ours = GPTForCausalLM(GPTConfig(**{**TINY, "n_positions": 256})).eval()
@@ -1047,30 +1052,15 @@ def test_tied_head_gradient_memory_is_taken_again_only_when_nothing_holds_it():
 
 def tied_head_cases():
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
-    choices = ids.view(1, 2, 16)
     return {
         "causal-lm": (GPTForCausalLM, {}, {"input_ids": ids, "labels": ids}),
-        "classification, L2 + lambda L1": (
-            GPTForSequenceClassification,
-            {"num_labels": 3, "lm_loss_weight": 0.5, "pad_token_id": 0},
-            {"input_ids": ids, "labels": torch.tensor([0, 2])},
-        ),
-        "multiple choice, L2 + lambda L1": (
-            GPTDoubleHeadsModel,
-            {"lm_loss_weight": 0.5, "pad_token_id": 0},
-            {"input_ids": choices, "mc_labels": torch.tensor([1])},
-        ),
-        "multiple choice, LM labels": (
-            GPTDoubleHeadsModel,
-            {"pad_token_id": 0},
-            {"input_ids": choices, "labels": choices, "mc_labels": torch.tensor([1])},
-        ),
     }
 
 
 @pytest.mark.parametrize("case", list(tied_head_cases()))
 def test_every_tied_lm_loss_hands_over_and_a_hooked_embedding_is_called_as_usual(case, monkeypatch):
-    """Each head whose loss has an LM term takes the tied-gradient path; a forward hook on the token
+    """The causal LM's loss takes the tied-gradient path (the classification heads' auxiliary LM loss runs
+    the fused loss without it: `hfgpt.cpu.layers.auxiliary_lm_loss`); a forward hook on the token
     embeddings (Trainer's NEFTune adds noise through one) makes it step aside, so the hook is called.
     Both give the same gradients."""
     cls, overrides, inputs = tied_head_cases()[case]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from hfgpt.modeling import GPTForCausalLM
+from hfgpt.modeling import GPTForCausalLM, GPTPreTrainedModel
 from hfgpt.modeling.finetune import TrainingInputError
 from hfgpt.scripts.demo import build_char_tokenizer
 from hfgpt.scripts.train_lm import (
@@ -117,15 +117,23 @@ def test_bf16_on_the_cpu_trains_inside_autocast_and_saves_float32(tmp_path, corp
     """`--bf16 --use_cpu true` (README): Trainer runs each forward inside CPU autocast to bfloat16, the
     LM head and loss take their bfloat16 path (bfloat16 logits, float32 loss), the weights stay float32."""
     seen = []
-    forward = GPTForCausalLM.forward
 
-    @functools.wraps(forward)  # Trainer keeps the dataset columns that the signature names
-    def recording_forward(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        seen.append((torch.is_autocast_enabled("cpu"), out.logits.dtype, out.loss.dtype))
-        return out
+    def add_recorder(model):  # around the forward of the model train_lm builds, as it is built
+        if not isinstance(model, GPTForCausalLM):
+            return
+        forward = model.forward
 
-    monkeypatch.setattr(GPTForCausalLM, "forward", recording_forward)
+        @functools.wraps(forward)  # Trainer keeps the dataset columns that the signature names
+        def recording_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            seen.append((torch.is_autocast_enabled("cpu"), out.logits.dtype, out.loss.dtype))
+            return out
+
+        model.forward = recording_forward
+
+    monkeypatch.setattr(
+        GPTPreTrainedModel, "post_init_hooks", [*GPTPreTrainedModel.post_init_hooks, add_recorder]
+    )
     argv = _argv(corpus, tmp_path / "out", "--max_steps", "2", "--bf16", "true")
     metrics = train_lm(*_parse(argv))
     assert metrics["train_steps"] == 2 and math.isfinite(metrics["train_loss"])

@@ -1,0 +1,140 @@
+"""The CPU backend (hfgpt.cpu) plugs into the plain model from outside: the model files never import it,
+every new model is kernelized by default, `HFGPT_CPU_BACKEND=0` turns that off, `unkernelize` gives back
+exactly the plain model, and a kernelized model computes the plain model's values."""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hfgpt.cpu import ATTENTION, is_kernelized, kernelize, unkernelize
+from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel, GPTForCausalLM, GPTForSequenceClassification
+
+MODELING_DIR = Path(__file__).parent.parent / "modeling"
+MODEL_FILES = ("modeling_hfgpt.py", "configuration_hfgpt.py")
+TINY = dict(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+
+
+def instance_methods(model: torch.nn.Module) -> list[str]:
+    return [
+        f"{name}.{attr}"
+        for name, module in model.named_modules()
+        for attr in ("forward", "_auxiliary_lm_loss", "train")
+        if attr in module.__dict__
+    ]
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_the_model_files_use_public_apis_and_never_the_backend(name):
+    source = (MODELING_DIR / name).read_text()
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+    for pattern in (r"torch\._", r"_global_", r"ctypes", r"_python_dispatch"):
+        assert not re.search(pattern, code), f"{name} matches {pattern}"
+    imports = re.findall(r"^\s*(?:from|import)\s+(\S+)", code, flags=re.M)
+    allowed = {"os", "re", "shutil", "collections", "dataclasses", "pathlib", "typing", "torch", "transformers",
+               "huggingface_hub"}  # fmt: skip
+    assert all(i.split(".")[0] in allowed or i == ".configuration_hfgpt" for i in imports), imports
+
+
+def test_the_model_files_together_are_no_longer_than_transformers_gpt2():
+    lines = sum(len((MODELING_DIR / name).read_text().splitlines()) for name in MODEL_FILES)
+    assert lines <= 1250
+
+
+def test_new_models_are_kernelized_and_unkernelize_gives_back_the_plain_model():
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, **NO_DROPOUT)).eval()
+    assert is_kernelized(model) and model.config._attn_implementation == ATTENTION
+    plain = unkernelize(copy.deepcopy(model))
+    assert not is_kernelized(plain) and instance_methods(plain) == []
+    assert plain.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=2e-5, rtol=1e-4)
+    assert kernelize(plain) is plain and is_kernelized(plain)
+    assert sorted(instance_methods(plain)) == sorted(instance_methods(model))
+
+
+@pytest.mark.parametrize("head", [GPTForCausalLM, GPTForSequenceClassification, GPTDoubleHeadsModel])
+def test_a_kernelized_training_step_gives_the_plain_gradients(head):
+    torch.manual_seed(0)
+    config = GPTConfig(**TINY, **NO_DROPOUT, lm_loss_weight=0.5, pad_token_id=0, num_labels=3)
+    fast = head(config).train()
+    plain = unkernelize(copy.deepcopy(fast))
+    ids = torch.randint(1, 96, (2, 24))
+    inputs = {
+        GPTForCausalLM: {"input_ids": ids, "labels": ids},
+        GPTForSequenceClassification: {"input_ids": ids, "labels": torch.tensor([0, 2])},
+        GPTDoubleHeadsModel: {"input_ids": ids[None], "mc_labels": torch.tensor([1])},
+    }[head]
+    for model in (fast, plain):
+        model(**inputs).loss.backward()
+    for (name, got), expected in zip(fast.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(
+            got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=f"{head.__name__} {name}"
+        )
+
+
+def test_a_kernelized_model_off_float32_computes_the_plain_model():
+    """float64 (as on any device the backend does not serve) runs every layer's own forward."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval().double()
+    plain = unkernelize(copy.deepcopy(model))
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_a_kernelized_model_saves_the_plain_code_and_reloads_kernelized(tmp_path):
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(MODEL_FILES)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.get("_attn_implementation_internal") in (None, "sdpa")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert is_kernelized(reloaded)
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+SWITCHED_OFF = textwrap.dedent(
+    """
+    import torch
+    from hfgpt.cpu import is_kernelized
+    from hfgpt.modeling import GPTConfig, GPTForCausalLM
+    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    print(is_kernelized(model), model.config._attn_implementation)
+    """
+)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("0", "False sdpa"), ("1", f"True {ATTENTION}")])
+def test_the_environment_switch(setting, expected):
+    env = {**os.environ, "HFGPT_CPU_BACKEND": setting}
+    out = subprocess.run([sys.executable, "-c", SWITCHED_OFF], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_an_empty_sequence_is_refused_by_name():
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    with pytest.raises(ValueError, match=r"The input has no tokens \(shape \(2, 0\)\)"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+
+
+def test_generate_on_an_empty_batch_is_refused_by_name():
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    ids = torch.zeros(0, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"generate\(\) got a batch of 0 sequences \(input shape \(0, 4\)\)"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)

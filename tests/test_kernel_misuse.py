@@ -1,0 +1,115 @@
+"""The C kernels reached through public APIs with tensors they must not read as they are: an int8 decoding
+copy whose layer norms or packed weights a user replaced, and the copy under `torch.func.vmap`. Each case
+is refused with a clear error or steps aside to torch, with the torch path's values, and never crashes:
+each runs in its own process, so that a crash fails its test rather than the suite."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PREAMBLE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from hfgpt.cpu import quantize_for_decoding
+    from hfgpt.cpu.quantization import Int8Linear
+    from hfgpt.modeling import GPTConfig, GPTForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    model = quantize_for_decoding(GPTForCausalLM(config).eval())
+    block = model.transformer.h[0]
+    ids = torch.randint(0, 96, (2, 7))
+
+    def torch_path_logits():
+        # A forward pre-hook on each block: code the fused kernel path would skip, so every block runs
+        # its torch modules (the int8 products included).
+        handles = [b.register_forward_pre_hook(lambda module, args: None) for b in model.transformer.h]
+        try:
+            with torch.no_grad():
+                return model(ids).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def outcome(run):
+        try:
+            with torch.no_grad():
+                return run()
+        except (RuntimeError, ValueError, TypeError) as error:
+            print("refused:", type(error).__name__, str(error).splitlines()[0])
+            raise SystemExit(0)
+    """
+)
+
+CASES = {
+    "strided layer norm weight": """
+        width = block.ln_1.weight.shape[0]
+        strided = torch.empty(2 * width)
+        strided[::2] = block.ln_1.weight.detach()
+        block.ln_1.weight = nn.Parameter(strided[::2])
+        expected = torch_path_logits()
+        got = outcome(lambda: model(ids).logits)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+    "expanded layer norm weight": """
+        width = block.ln_2.weight.shape[0]
+        block.ln_2.weight = nn.Parameter(block.ln_2.weight.detach()[-1:].expand(width))
+        expected = torch_path_logits()
+        got = outcome(lambda: model(ids).logits)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+    "bfloat16 layer norm": """
+        block.ln_1.to(torch.bfloat16)
+        got = outcome(lambda: model(ids).logits)
+        assert torch.isfinite(got).all(), "non-finite logits"
+        torch.testing.assert_close(got, torch_path_logits(), atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+    "smaller packed weight": """
+        layer = block.attn.c_attn
+        assert isinstance(layer, Int8Linear)
+        layer.packed = layer.packed[:1].clone()
+        outcome(lambda: model(ids).logits)
+        raise AssertionError("a product with a truncated packed weight returned values")
+    """,
+    "packed weight of another dtype": """
+        layer = block.mlp.c_fc
+        layer.packed = layer.packed.to(torch.int32)  # the same values: torch's ops read them as they are
+        got = outcome(lambda: model(ids).logits)
+        torch.testing.assert_close(got, torch_path_logits(), atol=0, rtol=0)
+        with torch.no_grad():
+            x = torch.randn(3, layer.in_features)
+            torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
+        print("values equal")
+    """,
+    "vmap over the batch": """
+        rows = outcome(lambda: torch.func.vmap(lambda row: model(row[None]).logits[0])(ids))
+        with torch.no_grad():
+            expected = torch.stack([model(row[None]).logits[0] for row in ids])
+        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+}
+
+EXPECTED = {
+    "strided layer norm weight": "values equal",
+    "expanded layer norm weight": "values equal",
+    "bfloat16 layer norm": "refused:",
+    "smaller packed weight": "refused:",
+    "packed weight of another dtype": "values equal",
+    "vmap over the batch": "values equal",
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_misused_kernel_inputs_are_refused_or_step_aside(case):
+    script = PREAMBLE + textwrap.dedent(CASES[case])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stderr[-3000:]}"
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith(EXPECTED[case]), last
