@@ -1,17 +1,16 @@
 """Weights in transparent huge pages, for the CPU decoding copies (`quantize_for_decoding`).
 
 A decoding step streams every weight from memory once. Spread over 4 KiB pages, that stream pays a TLB
-miss every 4 KiB; in 2 MiB pages, one every 2 MiB. On this project's 2-core AMD EPYC host a `sum` over
-494 MB read 62.6 GB/s from huge pages against 39.7 GB/s from 4 KiB pages in the same process (28-35
-GB/s against 28-29 when the host was busy), and GPT-2's 49 int8 products of one step took 4.30 against
-5.07 ms (benchmarks/RESULTS.md, "Added in session 19").
+miss every 4 KiB; in 2 MiB pages, one every 2 MiB. A plain read of GPT-2's weights from huge pages, and
+the int8 products of a decoding step, are faster than from 4 KiB pages (less so when the host is busy);
+benchmarks/RESULTS.md has the figures.
 
 Linux gives huge pages to memory advised with `madvise(MADV_HUGEPAGE)` when
 /sys/kernel/mm/transparent_hugepage/enabled says `madvise` or `always`, and only to pages first touched
 after the advice: so the weights go into one fresh anonymous mapping, advised before anything is
 written to it. (An allocation through torch would come from malloc, which may hand back heap memory
-already faulted in 4 KiB pages, as it always does after `cpu_runtime.keep_freed_memory`.) Elsewhere the
-same layout is made in ordinary memory.
+already faulted in 4 KiB pages, as it always does after `hfgpt.cpu.runtime.keep_freed_memory`.)
+Elsewhere the same layout is made in ordinary memory.
 """
 
 import mmap

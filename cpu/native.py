@@ -1,5 +1,5 @@
 """hfgpt's C kernels (`cpu/csrc/`), built on first use with the machine's C compiler and loaded with
-ctypes: no build step at install time and no torch headers, so a build takes about a second.
+ctypes: no build step at install time and no torch headers, so a build is one short compiler call.
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
 `$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, all of csrc's headers
@@ -102,7 +102,8 @@ SIGNATURES = {
             [_P] * 5 + [_I64] * 4 + [_P] * 4 + [ctypes.c_float, ctypes.c_int],
         ),
         # qkv, k buffer, v buffer, out, mask, mask stride, B, H, length, k strides (3), v strides (3), scale,
-        # threads
+        # threads (the cache write and attention of one step in one call; hfgpt's Python code no longer calls
+        # it: the model's `Cache.update` writes the cache, then `hfgpt_attention_decode` attends)
         "hfgpt_attention_decode_step": (
             ctypes.c_int,
             [_P] * 5 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int],
@@ -389,7 +390,7 @@ def dispatch_modes_allow() -> bool:
     active one declares `hfgpt_times_native_kernels = True` (benchmarks/step_breakdown.py's timer). A call
     through ctypes is invisible to such modes: `make_fx` would record a graph without it, FakeTensorMode
     and FlopCounterMode would miss its work, so callers run torch's ops under them."""
-    if _dispatch_stack_length() == 0:  # (~0.1 us: the common case, on every kernel call)
+    if _dispatch_stack_length() == 0:  # (a cheap check first: the common case, on every kernel call)
         return True
     return all(
         getattr(mode, "hfgpt_times_native_kernels", False) for mode in _get_current_dispatch_mode_stack()

@@ -76,8 +76,8 @@ def _native_gelu_applies(x: torch.Tensor) -> bool:
 
 class _NativeGelu(torch.autograd.Function):
     """`F.gelu(x, approximate="tanh")` and its gradient by csrc/gelu.c, as x sigmoid(2u) (the same
-    function): one exp and one division an element where torch's kernel evaluates a tanh. GPT-2's
-    (4, 256, 3072) activations here: forward 0.65-0.69 against 2.65 ms, backward 0.9-0.96 against 2.95 ms.
+    function): one exp and one division an element where torch's kernel evaluates a tanh, so forward and
+    backward take a fraction of torch's time on the MLP's 4E-wide activations (benchmarks/RESULTS.md).
     On normal x 3 and -20..20 inputs, values within 5.2e-7 of the float64 GELU where torch's are within
     4.3e-7, gradients within 2.1e-7 where torch's are within 1.0e-6 (tests/test_gelu_kernel.py). NaN and
     the infinities give torch's values and NaN gradients; a finite x beyond 1.8e19 in magnitude the GELU's
@@ -117,7 +117,7 @@ class _NativeGelu(torch.autograd.Function):
 
 
 # Each of those functions overwriting its input, for the MLP when nothing else can hold that input: the
-# 4E-wide activation then needs no fresh buffer (GPT-2 B=1x512 prefill: ~4% faster on this CPU).
+# 4E-wide activation then needs no fresh buffer, whose pages would be faulted in on their first writes.
 IN_PLACE: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
     gelu_tanh: lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
     F.gelu: torch.ops.aten.gelu_,
@@ -125,8 +125,9 @@ IN_PLACE: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
     F.silu: lambda x: F.silu(x, inplace=True),
 }
 
-# Activations oneDNN applies inside the product that feeds them (`GPTConv1D.activated`), as (post-op,
-# algorithm): its tanh GELU agrees with `gelu_tanh` to float rounding (2.4e-7 at most on GPT-2 MLP inputs).
+# Activations oneDNN applies inside the product that feeds them (`hfgpt.cpu.layers.conv1d_activated`), as
+# (post-op, algorithm): its tanh GELU agrees with `gelu_tanh` to float rounding (2.4e-7 at most on GPT-2
+# MLP inputs).
 ONEDNN_ACTIVATIONS: dict[Callable, tuple[str, str]] = {
     gelu_tanh: ("gelu", "tanh"),
     F.gelu: ("gelu", "none"),
@@ -138,14 +139,13 @@ _workspaces = threading.local()
 
 def workspace(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A scratch tensor of `shape`, from one buffer per thread, dtype and device that grows to the
-    largest size asked for and is kept (GPT-2 124M: 6.3 MB of bfloat16, a block of `CAST_BLOCK_ROWS`
-    rows of the LM head). The next call on the same thread overwrites it: for values used at once.
+    largest size asked for and is kept (for GPT-2 124M, a block of `CAST_BLOCK_ROWS` rows of the LM head
+    in bfloat16). The next call on the same thread overwrites it: for values used at once.
 
-    On the CPU the first writes to freshly allocated memory are what a weight cast costs: GPT-1's
-    40478 x 768 head to bfloat16 took 22 ms here into a fresh tensor against 2.9 ms into an existing
-    one. A bfloat16-autocast prefill of GPT-1 (1 x 512) took 242-276 ms with its casts into a
-    workspace against 267-297 ms with autocast's fresh copies; the page faults per forward fell from
-    20,000-57,000 to the 10,000 of writing the logits."""
+    On the CPU the first writes to freshly allocated memory are what a weight cast costs: each page of a
+    fresh tensor is faulted in as it is written, while memory kept from the last call is written at the
+    memory's rate. A bfloat16-autocast prefill that casts its weights into a workspace is therefore faster,
+    with far fewer page faults, than one that takes autocast's fresh copies."""
     key = (dtype, device)
     numel = math.prod(shape)
     buffer = _workspaces.__dict__.get(key)
@@ -208,9 +208,9 @@ def use_onednn_products(enabled: bool) -> bool:
     it) or, with False, through `torch.addmm` (MKL's sgemm, what transformers' `Conv1D` runs). Returns
     the previous setting; process-wide.
 
-    On this project's AMD EPYC machine oneDNN ran GPT-2's products 1.1-1.6x as fast as MKL, and twice
-    as fast at the 8 rows of a batched decoding step (the twelve layers: 22-24 vs 44-49 ms). Values
-    equal `addmm`'s to float rounding (a different summation order), not bit for bit."""
+    oneDNN runs GPT-2's products faster than MKL, most of all at the few rows of a batched decoding step
+    (benchmarks/RESULTS.md, "Where hfgpt's speed comes from"). Values equal `addmm`'s to float rounding
+    (a different summation order), not bit for bit."""
     previous = _cpu_products["onednn"]
     _cpu_products["onednn"] = bool(enabled) and _ONEDNN_LINEAR is not None
     return previous
@@ -272,7 +272,7 @@ def values_readable(*tensors: torch.Tensor) -> bool:
     )
 
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # (not fake: skips is_fake's ~1.3 us a tensor)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # (not fake: skips `is_fake`'s check on every call)
 
 
 def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
@@ -342,11 +342,10 @@ def weight_gradient(
 ) -> torch.Tensor:
     """`inputs.T @ grads` for 2-D float32 `inputs` [N, M] and `grads` [N, K], in `out` when given: a weight's
     gradient, summed over the N rows of a batch. oneDNN where the result is wider than tall (K > M), MKL's
-    sgemm otherwise: oneDNN reads the transposed operands of a narrow result slowly. GPT-2's weight
-    gradients at N = 1024 rows here (GFLOP/s, medians of 30 alternated, oneDNN against MKL): 768 x 3072
-    200 against 195 and 768 x 2304 207 against 199, but 3072 x 768 188 against 198, 768 x 768 190
-    against 204, a 4096 x 768 block of the tied head 179 against 199 (and MKL writes into `out`, where
-    oneDNN's result was copied there). No rows (N = 0): zeros, from MKL (oneDNN refuses an empty product)."""
+    sgemm otherwise: oneDNN reads the transposed operands of a narrow result slowly, so of GPT-2's weight
+    gradients it runs the wide ones (768 x 3072, 768 x 2304) faster and MKL the square and tall ones and
+    the tied head's blocks (and MKL writes into `out`, where oneDNN's result is copied there). No rows
+    (N = 0): zeros, from MKL (oneDNN refuses an empty product)."""
     if grads.shape[1] > inputs.shape[1] and inputs.shape[0] > 0:
         result = onednn_mm(inputs.T, grads.T)
         return result if out is None else out.copy_(result)
@@ -412,10 +411,11 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.T
     """Bernoulli(1 - p) keep mask for dropout: a counter-based generator (SplitMix64, csrc/dropout.c)
     seeded by one 64-bit draw from the device's default generator.
 
-    On the CPU, `bernoulli_` costs ~4.4 ns an element (~7% of a GPT-2 training step went to dropout's
-    sampling and scaling), 32-bit draws cut from `randint`'s 64-bit words ~2.2 ns (~100 ms of a GPT-2
-    step), hfgpt's C generator ~0.1 ns. Where it is not loaded (no compiler, a torch dispatch mode, another
-    device) torch's integer ops compute the same bits, ~2 ns an element. An element is dropped when its 32
+    Dropout draws one value for every activation and attention weight of a training step, and on the
+    CPU `bernoulli_`, or 32-bit draws cut from `randint`'s 64-bit words, take a noticeable share of the
+    step; hfgpt's C generator computes each element's bits from a counter with a few integer operations,
+    on every thread (benchmarks/RESULTS.md). Where it is not loaded (no compiler, a torch dispatch mode,
+    another device) torch's integer ops compute the same bits, more slowly. An element is dropped when its 32
     bits fall in the lowest round(p * 2^32) of the 2^32 values: P(drop) = p to 2^-33. Seeded by
     `torch.manual_seed` like any other draw, and replayed by gradient checkpointing, which restores the
     generator's state (the stream differs from `F.dropout`'s).
@@ -452,7 +452,7 @@ class _MaskedScale(torch.autograd.Function):
 
 def masked_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     # The boolean mask read as its bytes (0 or 1): float x uint8 runs in one kernel, where float x bool
-    # first converts the mask to float (12.6 MB of GPT-2 attention weights: 0.86 vs 1.43 ms here).
+    # first converts the mask to a float tensor of x's size, one more pass over memory.
     return x.mul(keep.view(torch.uint8)).mul_(scale)
 
 
@@ -500,9 +500,9 @@ def cpu_dropout_attention(
 
     Causal self-attention over 128 positions or more runs `ATTENTION_BAND` query rows at a time against
     the keys up to each band's last row, skipping the masked upper triangle (`_BandedDropoutAttention`):
-    for GPT-2's 12 heads at B=4 x 256, forward and backward with dropout took 23 ms a layer here against
-    36 ms for the whole square. That covers no mask, and a boolean mask that attends to no later position
-    (transformers' causal mask with padding): each band then takes its rows of the mask.
+    the scores, softmax and products above each band's diagonal block, forward and backward, are never
+    computed. That covers no mask, and a boolean mask that attends to no later position (transformers'
+    causal mask with padding): each band then takes its rows of the mask.
     """
     seq_len, total = query.shape[-2], key.shape[-2]
     if (
@@ -530,12 +530,11 @@ class _BandedDropoutAttention(torch.autograd.Function):
     """Causal attention with dropout, `ATTENTION_BAND` query rows at a time against the keys up to each
     band's last row, with a backward written out per band (`cpu_dropout_attention`).
 
-    Autograd through the same ops per band spent a quarter of the time outside the products: each band's
-    slices of the queries, keys and values got zero-filled gradients that were then summed, and each 4-D
-    `matmul` of the (B, T, 3, H, D) projections copied its operands (GPT-2, B=4 x 256, interleaved: 32.0
-    ms a layer, forward and backward, against 23.7 ms this way). Here queries, keys and values are copied
-    once to (B*H, T, D); the backward writes each band's query gradient into place and adds the key and
-    value gradients in (a `baddbmm_` into those views ran one matrix product per batch entry, slower).
+    Autograd through the same ops per band spent a large share of the time outside the products: each
+    band's slices of the queries, keys and values got zero-filled gradients that were then summed, and each
+    4-D `matmul` of the (B, T, 3, H, D) projections copied its operands. Here queries, keys and values are
+    copied once to (B*H, T, D); the backward writes each band's query gradient into place and adds the key
+    and value gradients in (a `baddbmm_` into those views ran one matrix product per batch entry, slower).
     Saved: the inputs, and per band its softmax probabilities and keep mask (a byte an element); the
     backward copies the inputs to (B*H, T, D) again. A backward that builds a graph (`create_graph=True`)
     recomputes the bands with autograd's ops instead (`_differentiable_band_grads`), so second
@@ -543,9 +542,9 @@ class _BandedDropoutAttention(torch.autograd.Function):
     mask per band, and the same values to rounding (tests/test_performance.py).
 
     Where hfgpt's C kernel takes the inputs (`native_attention_takes`: float32, heads of 64, no mask),
-    forward and backward run on it instead, with the same keep masks and saved probabilities
-    (`_native_dropout_attention`; GPT-2, B=4 x 256, a layer through autograd: forward 9.5 against 12.4 ms,
-    draws included, backward 7.1 against 21.5 ms here; tests/test_attention_kernel.py)."""
+    forward and backward run on it instead, with the same keep masks and saved probabilities and in less
+    time, the backward most of all (`_native_dropout_attention`; benchmarks/RESULTS.md;
+    tests/test_attention_kernel.py)."""
 
     @staticmethod
     def forward(
@@ -756,11 +755,11 @@ def cpu_banded_attention(
     row (and its rows of a causal boolean mask, where there is one), written straight into the
     (B, T, H, D) output.
 
-    Below 768 positions torch's CPU flash-attention kernel is ~25% slower on the causal square than on
-    these bands (12 heads of 64, 1 x 512 positions: 3.8 vs 5.0 ms here, float32; 3.5 vs 4.9 ms in
-    bfloat16; from 768 positions on, where the kernel takes larger blocks, it is about as fast as the
-    bands). Each query row sees exactly the keys it sees in one causal call, so the values agree to
-    rounding (tests/test_performance.py).
+    Below 768 positions torch's CPU flash-attention kernel is slower on the causal square than on these
+    bands, in float32 and in bfloat16; from 768 positions on, where the kernel takes larger blocks, it is
+    about as fast as the bands, so sdpa keeps those lengths (benchmarks/RESULTS.md, "Tried and dropped").
+    Each query row sees exactly the keys it sees in one causal call, so the values agree to rounding
+    (tests/test_performance.py).
     """
     batch, heads, length, dim = query.shape
     output = query.new_empty(batch, length, heads, dim)
@@ -857,10 +856,11 @@ def native_causal_attention(
     output. Where `native_attention_applies`.
 
     torch's CPU flash-attention kernel, called on the whole causal square or in `cpu_banded_attention`'s
-    bands, reaches ~75 GFLOP/s on GPT-2's heads of 64 here (1 x 512 positions, 12 heads: 5.5 ms a layer);
-    the kernel computes each block of 8 query rows' scores against the head's keys held transposed in
-    cache, an exact softmax over them, and their weighted values: 2.9 ms (141 GFLOP/s). The values agree
-    with sdpa's to float rounding (tests/test_attention_kernel.py)."""
+    bands, spends much of its time outside the arithmetic on GPT-2's short heads of 64; the kernel
+    computes each block of 8 query rows' scores against the head's keys held transposed in cache, an exact
+    softmax over them, and their weighted values, at a higher share of the CPU's arithmetic rate
+    (benchmarks/RESULTS.md). The values agree with sdpa's to float rounding
+    (tests/test_attention_kernel.py)."""
     batch, heads, length, dim = query.shape
     output = query.new_empty(batch, length, heads, dim)
     status = _attention_kernel().hfgpt_causal_attention(
@@ -931,8 +931,8 @@ def native_decode_attention(
     takes `cpu_dropout_attention` first. Masked keys and values are not read, so a NaN or an infinity there
     does not reach the output (in sdpa it still gives NaN). torch's sdpa spends most of such a step
     outside the arithmetic, and each layer's cached keys and values come from memory after the step's
-    weights have gone through the caches (GPT-2 124M, 64+128 tokens, in `generate()`: ~84 us a layer at
-    B=1 and ~520 us at B=8 here)."""
+    weights have gone through the caches: the kernel reads each kept key and value row once, in one call
+    per layer (benchmarks/RESULTS.md)."""
     batch, heads, _, dim = query.shape
     output = query.new_empty(batch, 1, heads, dim)
     status = _attention_kernel().hfgpt_attention_decode(
@@ -955,7 +955,7 @@ def weight_blocks(
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(start, stop, `weight[start:stop]` in `dtype`) for blocks of `rows` rows of `weight`: views where
     `weight` has `dtype`, else casts into a `workspace` (the next block overwrites it), rather than one
-    fresh whole-weight copy as autocast makes (GPT-1's head, 512 rows: 55 vs 75 ms)."""
+    fresh whole-weight copy as autocast makes, whose every page is faulted in again on each call."""
     for start in range(0, len(weight), rows):
         stop = min(start + rows, len(weight))
         if weight.dtype == dtype:
@@ -969,9 +969,9 @@ def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` (contiguous
     logits), else written into rows padded to a multiple of 64 elements, returning the unpadded view.
 
-    oneDNN ran GPT-2's head 1.25x as fast as MKL's row-aligned product here (512 and 1024 rows). MKL's
-    float32 GEMM runs GPT-2's 50257-wide LM head ~10% faster when each output row starts on a 256-byte
-    boundary (512 x 50257 logits: 212 vs 239 ms on this project's CPU). The logits are then a
+    oneDNN runs GPT-2's head faster than MKL's row-aligned product. MKL's float32 GEMM runs GPT-2's
+    50257-wide LM head faster when each output row starts on a 256-byte boundary (benchmarks/RESULTS.md,
+    "Tried and dropped"), hence the padding where MKL runs it. The logits are then a
     view with row stride 50304 (`logits.view(-1, V)` works, a flat `.view(-1)` needs `.contiguous()`).
     A float32 `weight` with bfloat16 `hidden` is multiplied a block of `weight_blocks` at a time, with the
     values of autocast's `F.linear`.
@@ -1052,18 +1052,15 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     per thread, each over its slice of the weight's rows (`torch.bmm` over the slices); None where
     `one_row_parts` gives no split or the weight is not contiguous.
 
-    A decoding step at batch size 1 streams every weight once, and MKL's matrix-vector kernel reads a
-    weight on one thread: GPT-2's 768 x 3072 and 3072 x 768 weights, not in cache, took 419 and 381 us
-    this way against 627 and 590 us for `few_rows_product`'s two-column product on this 2-core machine,
-    with the same values. Greedy decoding with the float32 copy (`quantize_for_decoding`) at batch size 1,
-    interleaved in one process: GPT-2 23.5 against 27.1 ms a step, GPT-1 19.1 against 25.9 ms, the same
-    tokens (benchmarks/RESULTS.md).
+    A decoding step at batch size 1 reads every weight once for one multiply-add per element, so it is
+    bound by memory, not arithmetic, and MKL's matrix-vector kernel reads a weight on one thread (as does
+    `few_rows_product`'s two-column product). Split between the threads, the weight is read at more of the
+    memory's bandwidth, with the same values and the same greedy tokens (`quantize_for_decoding`'s float32
+    copy; benchmarks/RESULTS.md).
 
     Where hfgpt's C kernel is built (csrc/row_product.c, `_row_product_kernel`), each thread computes the
-    dot products of its run of rows itself, as one sequential read: GPT-2's 49 weights of a step (in huge
-    pages, 494 MB) at 45-50 GB/s against 35-41 for the split `bmm` while a plain sum read 60 GB/s, and at
-    about 90% against 80% of the sum's rate on a busy host; greedy decoding with the float32 copy, GPT-2
-    B=1 alternated in one process, 17.6 against 19.1 ms a step, the same tokens."""
+    dot products of its run of rows itself, as one sequential read, closer to the rate of a plain sum over
+    the same memory than the split `bmm`, on a busy host too."""
     parts = one_row_parts(flat, weight)
     if not parts or not weight.is_contiguous():
         return None
@@ -1089,18 +1086,17 @@ def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`x @ weight + bias` for one row `x` (1, in) and a Conv1D `[in, out]` weight, each thread reading a
     contiguous block of the weight's rows (`torch.bmm` of a slice of `x` with each block, no copy) and the
     partial sums then added; None where `one_row_parts` gives no split, the rows do not divide evenly or a
-    tensor is not contiguous. Conv1D's `addmm` reads the weight on one thread here.
+    tensor is not contiguous. Conv1D's `addmm` reads a one-row product's weight on one thread.
 
-    Row blocks rather than column slices (session 9's split, whose rows of out / threads floats are strided):
-    GPT-2's 768 x 2304 / 768 x 768 / 768 x 3072 / 3072 x 768 weights out of cache, interleaved medians,
-    273 / 113 / 338 / 360 us against 324 / 143 / 347 / 537 us; greedy decoding at batch size 1 in one
-    process, GPT-2 21.7 against 27.5 ms a step, GPT-1 23.4 against 26.8 ms, the same tokens
-    (benchmarks/RESULTS.md). The sum runs in another order than `addmm`'s: equal to float rounding.
+    Row blocks rather than column slices: a column slice reads each of the weight's rows in strided pieces
+    of out / threads floats, a row block one contiguous run of memory, which GPT-2's four weight shapes and
+    greedy decoding of GPT-1 and GPT-2 read faster, with the same tokens (benchmarks/RESULTS.md). The sum
+    runs in another order than `addmm`'s: equal to float rounding.
 
     Where hfgpt's C kernel is built (csrc/row_product.c), it computes the same split, whatever the row
-    count, eight rows at a time into each thread's partial sums: GPT-2's 48 Conv1D weights of a step at
-    about 10-20% more GB/s than the `bmm` split (25.2 against 25.5 ms a greedy step of the whole model,
-    whose weights lie in 4 KiB pages)."""
+    count, eight rows at a time into each thread's partial sums: the Conv1D weights are read faster than
+    by the `bmm` split, though a greedy step of the whole model, whose weights lie in 4 KiB pages, gains
+    little from it."""
     parts = one_row_parts(x, weight, bias)
     width, out = weight.shape
     if not parts or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
@@ -1129,7 +1125,8 @@ def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     thread reads its run of the weight's rows once, pairs of products summed in float32 as oneDNN's
     bfloat16 product sums them, the bias added and the sum rounded to bfloat16 once. None where it does
     not apply (no such CPU or kernel, gradients, another dtype, a non-contiguous weight): callers run
-    their product. The CPU's bfloat16 one-row products through oneDNN or torch read ~15 GB/s here."""
+    their product. The CPU's bfloat16 one-row products through oneDNN or torch read the weight well below
+    the memory's rate, which bounds a one-row decoding step (benchmarks/RESULTS.md)."""
     tensors = [x, weight, *([] if bias is None else [bias])]
     if (
         any(t.dtype != torch.bfloat16 for t in tensors)
@@ -1161,10 +1158,9 @@ def _row_product_kernel(*tensors: torch.Tensor) -> Any:
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
     `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
-    2-4x slower (GPT-2's 50257 x 768 head: 4.3 vs 9.4 ms at one row, 9.4 vs 18 ms at eight;
-    benchmarks/RESULTS.md). One row is split between the threads where `one_row_product` applies; from
-    `ONEDNN_FEW_ROWS` rows on, oneDNN's product where it applies (8 rows: 9.4 vs 16 ms), without
-    gradients. Contiguous (rows, out)."""
+    such as GPT-2's 50257 x 768 head several times slower (benchmarks/RESULTS.md). One row is split
+    between the threads where `one_row_product` applies; from `ONEDNN_FEW_ROWS` rows on, oneDNN's
+    product where it applies, without gradients. Contiguous (rows, out)."""
     rows = len(flat)
     if rows == 1 and (split := one_row_product(flat, weight)) is not None:
         return split
@@ -1190,11 +1186,11 @@ def head_product_dtype(hidden_states: torch.Tensor, head: nn.Module) -> torch.dt
 def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """`head(hidden_states)`, computed faster where `head_product_dtype` names a dtype.
 
-    - 1-`FEW_ROWS` rows (a decoding step): `few_rows_product` (MKL's matrix-vector kernel reads GPT-2's
-      tall 50257 x 768 head at ~16 GB/s). Under CPU bfloat16 autocast too, from the float32 weight,
+    - 1-`FEW_ROWS` rows (a decoding step): `few_rows_product` (MKL's matrix-vector kernel reads a tall
+      head such as GPT-2's 50257 x 768 slowly). Under CPU bfloat16 autocast too, from the float32 weight,
       the logits then rounded to bfloat16 (autocast's dtype): autocast would first cast the whole head
-      to bfloat16 and, for a (B, 1, E) input, multiply through a batched copy of it (GPT-2, one row:
-      4 ms against 123 ms here).
+      to bfloat16 and, for a (B, 1, E) input, multiply through a batched copy of it, which costs many
+      times the product itself.
     - More rows (prefill): `row_aligned_mm`, in float32, or under autocast in bfloat16 from the float32
       weight a block at a time; under autocast with gradients, `head(...)`.
     Values and gradients agree with `head(hidden_states)` to float precision (tests/test_performance.py).
@@ -1224,8 +1220,8 @@ def project_to_vocab(hidden_states: torch.Tensor, head: nn.Module) -> torch.Tens
 
 def subtract_per_row(x: torch.Tensor, row_values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`torch.sub(x, row_values, out=out)` for float32 `out` and `row_values`, `x` float32 or bfloat16.
-    From bfloat16, `torch.sub` converts on a slow path (1024 x 4096 logits: 1.44 ms here, against
-    0.37 ms for a copy then an in-place subtraction)."""
+    From bfloat16, `torch.sub` converts on a slow mixed-dtype path; a copy then an in-place subtraction
+    is several times faster."""
     if x.dtype == out.dtype:
         return torch.sub(x, row_values, out=out)
     return out.copy_(x).sub_(row_values)
@@ -1233,10 +1229,9 @@ def subtract_per_row(x: torch.Tensor, row_values: torch.Tensor, out: torch.Tenso
 
 def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
     """`torch.logsumexp(logits, dim=-1)` for (N, V) logits, `rows_at_once` rows at a time through one
-    reused buffer (16 x 50257 floats: 3.2 MB). Chunks of `torch.logsumexp` allocate a fresh temporary
-    each, paid again in page faults on the CPU: for 1,024 rows of GPT-2 logits, 28 ms and 750 faults
-    here against 39 ms and 6,250 faults in 128-row chunks. Computed, and returned, in float32 (also for
-    bfloat16 logits)."""
+    reused float32 buffer of `rows_at_once` rows, small enough to stay in cache. Chunks of
+    `torch.logsumexp` allocate a fresh temporary each, paid again in page faults on the CPU. Computed, and
+    returned, in float32 (also for bfloat16 logits)."""
     lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
     buffer = logits.new_empty(min(rows_at_once, len(logits)), logits.shape[1], dtype=torch.float32)
     for start in range(0, len(logits), rows_at_once):
@@ -1248,8 +1243,9 @@ def log_sum_exp(logits: torch.Tensor, rows_at_once: int = 16) -> torch.Tensor:
     return lse
 
 
-# Vocabulary columns per oneDNN product in `onednn_logits_and_lse` (1,024 rows: 8 MB a block, which stays
-# in this machine's 32 MB L3 cache while its exponentials are summed; 1024 and 4096 gained less).
+# Vocabulary columns per oneDNN product in `onednn_logits_and_lse` (at 1,024 rows an 8 MB block, which
+# stays in a server CPU's L3 cache while its exponentials are summed; half and twice the width gained
+# less).
 LOGIT_BLOCK_COLUMNS = 2048
 
 
@@ -1261,15 +1257,14 @@ def onednn_logits_and_lse(
     time: each block's exponentials are summed while the block is still in cache, against a running
     maximum that rescales the earlier sums (as `torch.logsumexp`: a row of -inf gives -inf, a +inf
     entry +inf). `out` can be memory kept from the last step (`RecycledBuffer`), where oneDNN's single
-    product writes a fresh 206 MB for GPT-2 at 1,024 rows, faulted in page by page; and `log_sum_exp`
-    then reads all of it again. Float32 training steps (B=4x256) alternated in one process with the
-    single product and `log_sum_exp`, paired medians of 8 pairs: GPT-2 124M 0.28 s less a step (7 of 8
-    faster), GPT-1 0.15 and 0.20 s less (6 and 8 of 8) in two runs (benchmarks/RESULTS.md).
+    product writes a fresh N x V tensor (for GPT-2 at 1,024 rows, 206 MB), faulted in page by page; and
+    `log_sum_exp` then reads all of it again. Float32 training steps of GPT-1 and GPT-2 are faster this
+    way than with the single product and `log_sum_exp` (benchmarks/RESULTS.md).
 
     Each block's copy into `out` and its sum run as one pass over each row on hfgpt's C kernel
     (csrc/loss.c, `_loss_kernel`) where it is built, the running sum kept in float64; torch's copy,
-    amax, subtraction, exp and sum otherwise. 1,024 rows, the head and its log-sum-exp beyond the
-    products alone: GPT-1 14 against 42 ms, GPT-2 27 against 54 ms here."""
+    amax, subtraction, exp and sum otherwise, several passes over each block: the kernel cuts much of the
+    time the head and its log-sum-exp take beyond the products themselves."""
     rows = hidden.shape[0]
     library = _loss_kernel(hidden, weight, out)
     if library is not None:  # csrc/loss.c: the same arithmetic, one pass over each row of a block
@@ -1332,16 +1327,13 @@ class RecycledBuffer:
 
     The gradient is a fresh V x E tensor every backward (GPT-2: 154 MB) that becomes the weight's `.grad`
     and is freed by `zero_grad(set_to_none=True)`. glibc maps a block that size afresh from the kernel
-    each time, so every step pays one page fault per 4 kB on its first writes (38,000 for GPT-2). Here
-    the step after gets the same memory back when no tensor shares it any more; a gradient still held
-    (`.grad` kept by `zero_grad(set_to_none=False)` or gradient accumulation, a reference the caller
-    kept) is left alone and a fresh tensor is made, which this buffer then keeps instead. Float32
-    training steps (B=4x256) alternated in one process with steps that allocate afresh, paired medians:
-    GPT-2 124M 0.13-0.28 s less a step (of 4.5-5 s) in three runs; GPT-1 0.20 s less in one run, no
-    difference (+0.02, +0.06 s) in two; GPT-1's page faults fell from 93-98k to 60-70k a step. The
-    gain is the faults' cost, which moves with the host's load (benchmarks/RESULTS.md). The buffer
-    holds the memory until `eval()` (the model's `train(False)`); a copy of the model (`copy.deepcopy`,
-    pickling) starts with an empty one."""
+    each time, so every step pays one page fault per 4 KiB page on its first writes. Here the step after
+    gets the same memory back when no tensor shares it any more; a gradient still held (`.grad` kept by
+    `zero_grad(set_to_none=False)` or gradient accumulation, a reference the caller kept) is left alone
+    and a fresh tensor is made, which this buffer then keeps instead. Float32 training steps take fewer
+    page faults this way; the time gained is the faults' cost, which moves with the host's load
+    (benchmarks/RESULTS.md). The buffer holds the memory until `eval()` (the model's `train(False)`); a
+    copy of the model (`copy.deepcopy`, pickling) starts with an empty one."""
 
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
@@ -1392,10 +1384,10 @@ class TiedHeadGradient:
     memory for that gradient from `buffers` where the model keeps them (`HeadBuffers`).
 
     Autograd would instead build the embedding's gradient as a fresh zero-filled V x E tensor and sum the
-    two into a third: for GPT-2 two more 154 MB tensors written from fresh pages every training step
-    (37,700 page faults each). A GPT-2 124M float32 step (B=4x256) took 0.18 s less this way in a paired
-    A/B here (about 4%). The hand-over holds within one backward pass only (autograd's graph task): a
-    backward that runs the embedding without the head first computes the embedding's gradient as usual."""
+    two into a third: for GPT-2 two more 154 MB tensors written from fresh pages every training step,
+    each faulted in page by page. Float32 training steps are faster this way (benchmarks/RESULTS.md).
+    The hand-over holds within one backward pass only (autograd's graph task): a backward that runs the
+    embedding without the head first computes the embedding's gradient as usual."""
 
     def __init__(self, buffers: HeadBuffers | None = None) -> None:
         self._grad: torch.Tensor | None = None
@@ -1442,13 +1434,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     Backward forms softmax - onehot a slice of the vocabulary at a time (~16 MB) and feeds each slice
     straight into the two head products, so the full N x V gradient never exists. For float32 logits a
-    slice is one pass of hfgpt's C kernel (csrc/loss.c: GPT-1's 1,024 x 40,478 in 13-17 against 29-43 ms
-    for torch's subtraction, exp, multiplication and index_put). Saved: the logits
-    (which the caller holds anyway) and one log-sum-exp per row. `F.cross_entropy` on materialised
-    logits saves a log-softmax copy and builds two full N x V gradients (NLL's, then log-softmax's): for
-    GPT-2's head and loss over 1024 rows, forward and backward, the peak above the start was 406-457 MB
-    here against 627-630 MB, and the time 1.28-1.32 s against 1.48-1.50 s (benchmarks/RESULTS.md). A
-    gradient reaching the returned logits from other uses is added in.
+    slice is one pass of hfgpt's C kernel (csrc/loss.c), where torch's subtraction, exp, multiplication
+    and index_put make four. Saved: the logits (which the caller holds anyway) and one log-sum-exp per
+    row. `F.cross_entropy` on materialised logits saves a log-softmax copy and builds two full N x V
+    gradients (NLL's, then log-softmax's), so this head and loss, forward and backward, peak at less
+    memory and take less time (benchmarks/RESULTS.md). A gradient reaching the returned logits from other uses is added in.
 
     The products run in `dtype` (`vocab_product_dtype`): float32, or bfloat16 under CPU autocast, as
     autocast would run `F.linear` — bfloat16 logits, the softmax, loss and gradient sums in float32, and

@@ -42,13 +42,12 @@ class DecodingLinear(nn.Linear):
     """`nn.Linear` with faster CPU products for inference.
 
     - float32, 1-`FEW_ROWS` rows (a decoding step): `few_rows_product`, as `project_to_vocab` computes the
-      LM head: MKL's one-row kernel for `F.linear` reads the weight ~1.3-1.8x slower (GPT-2's 768 x 2304
-      / 768 x 3072 / 3072 x 768 weights, out of cache: 279 / 361 / 493 us for Conv1D's addmm against
-      152 / 221 / 357 us this way); one row split between the threads (`one_row_product`).
+      LM head: MKL's one-row kernel for `F.linear`, and Conv1D's `addmm`, read the weight more slowly
+      (benchmarks/RESULTS.md); one row split between the threads (`one_row_product`).
     - bfloat16 without gradients: at one row, hfgpt's C kernel where the CPU has AVX-512 BF16
-      (`one_row_bfloat16`); else oneDNN's linear op (`_bfloat16_onednn_applies`), which read GPT-2's
-      weights at one row faster than `F.linear`'s bfloat16 path (the 50257 x 768 head 4.9 against 7.1
-      ms; 768 x 3072 308 against 397 us) with the same values (GPT-2 logits equal, greedy tokens equal).
+      (`one_row_bfloat16`); else oneDNN's linear op (`_bfloat16_onednn_applies`), which reads GPT-2's
+      weights at one row faster than `F.linear`'s bfloat16 path, the LM head included, with the same
+      values (GPT-2 logits equal, greedy tokens equal).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +81,7 @@ def _bfloat16_onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     )
 
 
-# The int8 kernel's constants (modeling/csrc/int8_linear.c).
+# The int8 kernel's constants (cpu/csrc/int8_linear.c).
 INT8_BLOCK = 64  # inputs of a row that share one activation scale
 INT8_TILE = 32  # output channels packed together
 
@@ -138,10 +137,10 @@ class Int8Linear(nn.Module):
     inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised
     layers: the outputs never require one).
 
-    The product runs in hfgpt's C kernel (`modeling/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has
-    it, built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
-    stream per 32 output channels, so one decoding step is bound by memory, not arithmetic (GPT-2's layer
-    weights at one row: 26.8 GB/s against 19.4 for torch.ao's fbgemm product, benchmarks/RESULTS.md).
+    The product runs in hfgpt's C kernel (`cpu/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has it,
+    built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
+    stream per 32 output channels, so one decoding step is bound by memory, not arithmetic, and the one
+    stream reads GPT-2's weights at one row faster than torch.ao's fbgemm product (benchmarks/RESULTS.md).
     Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per
     64 inputs keep an outlier channel from flattening the rest of its row, which a scale per row (or per
     batch, as fbgemm's dynamic quantisation) does.
@@ -218,7 +217,7 @@ class Int8Linear(nn.Module):
         width = self.in_features
         if x.shape[-1] != width:
             raise ValueError(f"Int8Linear expects {width} input features, got shape {tuple(x.shape)}")
-        buffers = self._buffers  # (the module's __getattr__ costs ~0.7 us a buffer)
+        buffers = self._buffers  # (the module's __getattr__ is slow for lookups made on every call)
         packed = buffers["packed"]
         library = native.kernel("int8_linear") if x.is_cpu and packed.is_cpu else None
         # (elsewhere than the CPU, torch's errors; a tensor subclass, or buffers the kernel would misread
@@ -274,9 +273,9 @@ class Int8Block(GPTBlock):
     """A block of an int8 decoding copy: the same modules and the same order of operations as `GPTBlock`,
     run in two calls of hfgpt's C kernel around the attention where they can be (`fused_library`):
     `hfgpt_int8_norm_linear` (ln_1 and c_attn) and `hfgpt_int8_block_tail` (c_proj, the residual sums,
-    ln_2, the MLP; GPT-1's post-norms too), instead of ~20 torch ops and module calls a block. GPT-2's int8
-    decoding steps spent ~160 us a block outside the products that way. The products are the same as
-    `Int8Linear`'s; the layer norms and the GELU are the kernel's own, which agree with torch's to float
+    ln_2, the MLP; GPT-1's post-norms too), instead of about 20 torch ops and module calls a block, whose
+    overhead outside the products was a sizeable share of an int8 decoding step. The products are the same
+    as `Int8Linear`'s; the layer norms and the GELU are the kernel's own, which agree with torch's to float
     rounding (tests/test_int8_block.py measures what that does to the logits)."""
 
     @classmethod
@@ -291,7 +290,7 @@ class Int8Block(GPTBlock):
 
     def _parts(self) -> tuple[nn.Module, ...]:
         """attn, mlp, ln_1, ln_2, c_attn, attn's c_proj, c_fc, mlp's c_proj, from the modules' own
-        dictionaries (`nn.Module.__getattr__` costs ~0.7 us a lookup, on every block of every step)."""
+        dictionaries (`nn.Module.__getattr__` is slow, and this runs on every block of every step)."""
         modules = self._modules
         attn, mlp = modules["attn"], modules["mlp"]
         return (
@@ -508,9 +507,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
 
     Each Conv1D becomes the equivalent `nn.Linear` first:
     - float32: nothing is quantised: `DecodingLinear` layers give the same values (to float rounding)
-      and the same greedy tokens, and decoding steps run faster (GPT-2 124M: 20.0 vs 24.3 ms a step at
-      one row in benchmarks/RESULTS.md; 64 new tokens at eight rows, 3.33 vs 3.94 s). The copy holds a
-      second set of weights: drop the original when memory matters.
+      and the same greedy tokens, and decoding steps run faster, at one row and at several
+      (benchmarks/RESULTS.md). The copy holds a second set of weights: drop the original when memory
+      matters.
     - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
       output channel, activations quantised at run time with one scale per 64 inputs, products in
       hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
@@ -519,12 +518,11 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       attention wherever nothing (a hook, training, gradients) needs the block's modules called.
     - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
       products through oneDNN's linear op; at one row on hfgpt's C kernel where the CPU has AVX-512
-      BF16, `one_row_bfloat16`: GPT-2 B=1 greedy 18.1 against 32.9 ms a step, the same tokens). For one
-      row, the CPU's bfloat16 kernels read an `[out, in]` weight ~1.6x faster than Conv1D's `[in, out]`
-      (768 x 3072: 159-174 vs 251-271 us, weights not in cache), which a plain
-      `model.to(torch.bfloat16)` would keep.
+      BF16, `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).
+      For one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's
+      `[in, out]`, which a plain `model.to(torch.bfloat16)` would keep.
     Its weights then share one mapping advised into transparent huge pages (`huge_pages`, Linux), which
-    a decoding step streams faster than 4 KiB pages: GPT-2 int8 products 4.30 vs 5.07 ms a step here.
+    a decoding step streams faster than 4 KiB pages (fewer TLB misses; benchmarks/RESULTS.md).
     The copy is for inference: its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse
     it (ValueError); save the float32 model instead.
     """

@@ -16,10 +16,10 @@ def keep_freed_memory() -> bool:
     of mapping each large block (>= 32 MB at most) freshly from the kernel and unmapping it when freed.
 
     A training step allocates its largest buffers anew each time: GPT-2's 1024 x 50257 logits (206 MB)
-    and the 154 MB head gradient. From fresh mappings every page is faulted in again: ~100,000 page
-    faults per GPT-2 124M float32 step (B=4x256) here, against ~1,000 with this setting, and the step
-    took 4.34-4.37 s against 4.68-4.83 s, with the same peak memory (3.3 GB). Freed memory then stays
-    with the process (up to 2 GB above the heap's top) rather than going back to the system.
+    and the 154 MB head gradient. From fresh mappings every page is faulted in again on every step; from
+    the heap's kept memory it is not, so a float32 training step takes far fewer page faults and less
+    time, with the same peak memory (benchmarks/RESULTS.md). Freed memory then stays with the process
+    (up to 2 GB above the heap's top) rather than going back to the system.
 
     The same as starting Python with `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`, for
     allocations from now on. Returns whether it was applied: False off Linux, or with a C library that

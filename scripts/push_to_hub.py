@@ -130,7 +130,7 @@ def _hfgpt_auto_map() -> tuple[dict[str, str], Path]:
     """hfgpt's `AUTO_MAP` table (every head) and the folder of the code files it names.
 
     Read from the installed modeling_hfgpt.py's source rather than imported: importing it loads torch,
-    which an upload does not otherwise need (it would make `hfgpt-push` several seconds slower).
+    which an upload does not otherwise need (it would add torch's import time to every `hfgpt-push`).
     """
     spec = importlib.util.find_spec("hfgpt.modeling")
     if spec is None or spec.origin is None:

@@ -3,10 +3,10 @@
  * training with dropout on the weights, forward and backward, and for one decoding step's query against
  * cached keys and values with an optional key mask (`head_decode`).
  *
- * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called from
- * ops_hfgpt.py (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
+ * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called from cpu/ops.py
+ * (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
  * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's
- * CPU flash-attention kernel spends half its time outside the arithmetic on GPT-2's short heads of 64;
+ * CPU flash-attention kernel spends much of its time outside the arithmetic on GPT-2's short heads of 64;
  * this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and works R = 8 query rows
  * at a time:
  *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, 8 rows x 32 keys in
@@ -482,7 +482,9 @@ int hfgpt_attention_decode(const float *q, const float *k, const float *v, float
 /* One decoding step straight from c_attn's output: qkv (B, 1, 3, H, D) contiguous (the new position's
  * queries, keys and values); each head's new key and value are written at position `length` of the cache
  * buffers k and v (B, H, capacity > length, D; strides [batch, head, position] in floats), then its query
- * attends to the length + 1 keys there, as hfgpt_attention_decode; out (B, 1, H, D) contiguous. */
+ * attends to the length + 1 keys there, as hfgpt_attention_decode; out (B, 1, H, D) contiguous. hfgpt's
+ * Python code no longer calls it: the model's cache (transformers' `Cache.update`) stores the new keys and
+ * values, and `native_decode_attention` then calls hfgpt_attention_decode. */
 int hfgpt_attention_decode_step(const float *qkv, float *k, float *v, float *out, const uint8_t *mask,
                                 int64_t mask_stride, int64_t B, int64_t H, int64_t length, int64_t kb, int64_t kh,
                                 int64_t kt, int64_t vb, int64_t vh, int64_t vt, float scale, int threads)

@@ -1,8 +1,8 @@
 /* hfgpt's dropout keep masks on the CPU: keep[i] = 1 with probability 1 - p, as bytes.
  *
- * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp) and called by
- * `keep_mask` in ops_hfgpt.py, whose torch implementation computes the same bits wherever this library
- * is not loaded. The generator is counter-based, SplitMix64's output function applied to
+ * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by `keep_mask` in
+ * cpu/ops.py, whose torch implementation computes the same bits wherever this library is not loaded.
+ * The generator is counter-based, SplitMix64's output function applied to
  * seed + (w + 1) * 0x9E3779B97F4A7C15 for the w-th 64-bit word (so word w does not depend on any other,
  * and the threads split the words in any way with the same result); element 2w takes the word's low 32
  * bits and element 2w + 1 its high 32 bits, and an element is kept when its 32 bits, read as an unsigned
@@ -10,8 +10,9 @@
  * torch's generator, so torch.manual_seed and the RNG state that gradient checkpointing restores decide
  * the masks.
  *
- * torch's `randint` (a Mersenne Twister, one thread) took ~2.2 ns an element here, this ~0.1 ns (two
- * threads; gcc vectorises the loop with AVX-512's 64-bit multiplies where the CPU has them).
+ * torch's `randint` draws from a Mersenne Twister on one thread, one word after another; here every word
+ * is computed from its index alone, so the loop runs on all threads and gcc vectorises it with AVX-512's
+ * 64-bit multiplies where the CPU has them (benchmarks/RESULTS.md has the figures).
  */
 #include <stdint.h>
 

@@ -1,8 +1,8 @@
 /* hfgpt's int8 linear layer for CPU decoding: y = x W^T + b with W in int8 (one scale per output
  * channel) and x quantised to int8 at run time with one scale per BLOCK consecutive inputs of a row.
  *
- * Built on first use by hfgpt/modeling/native.py (cc -O3 -march=native -fopenmp); its OpenMP calls use the
- * runtime torch has loaded. `Int8Linear` in quantization.py packs the weights and holds the reference
+ * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp); its OpenMP calls use the runtime
+ * torch has loaded. `Int8Linear` in cpu/quantization.py packs the weights and holds the reference
  * implementation in torch that the tests compare this file against.
  *
  * Layout of the packed weight (uint8, W + 128), for TILE = 32 output channels at a time:
@@ -252,8 +252,8 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
  * The products are `product`'s, the residual sums plain float sums, as in the unfused block; the layer
  * norms and the tanh GELU are computed here (vector_math.h's GELU, as gelu.c), and so differ from torch's
  * by float rounding, which the int8 copy of the next product can turn into one step of 127 in a block
- * of 64 inputs now and then. One parallel region a call instead of ~20 torch ops a block: GPT-2's
- * int8 decoding steps spent ~160 us a block outside the products.
+ * of 64 inputs now and then. One parallel region a call instead of about 20 torch ops a block, whose
+ * overhead outside the products was a sizeable share of an int8 decoding step.
  */
 #if VECTORIZED && defined(__AVX512VL__)
 #include "vector_math.h"

@@ -1,5 +1,6 @@
 /* AVX-512 helpers shared by hfgpt's C kernels (attention.c, gelu.c, int8_linear.c, loss.c, row_product.c);
- * included where __AVX512F__, __AVX512BW__ and __AVX512VL__ are defined. native.py's build hashes this header with each source. */
+ * included where __AVX512F__, __AVX512BW__ and __AVX512VL__ are defined. cpu/native.py's build hashes this
+ * header with each source. */
 #ifndef HFGPT_VECTOR_MATH_H
 #define HFGPT_VECTOR_MATH_H
 #include <immintrin.h>
