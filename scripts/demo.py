@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         type=positive_int,
         default=1,
         help="CPU threads for torch (default 1: the model is so small that a second thread mostly waits "
-        "at OpenMP barriers; on a busy 2-core machine 2 threads ran 100 steps in 100 s, 1 thread in 8 s)",
+        "at OpenMP barriers, which on a busy machine makes training many times slower)",
     )
     args = parser.parse_args(argv)
     settings = DemoSettings(
