@@ -101,13 +101,6 @@ SIGNATURES = {
             ctypes.c_int,
             [_P] * 5 + [_I64] * 4 + [_P] * 4 + [ctypes.c_float, ctypes.c_int],
         ),
-        # qkv, k buffer, v buffer, out, mask, mask stride, B, H, length, k strides (3), v strides (3), scale,
-        # threads (the cache write and attention of one step in one call; hfgpt's Python code no longer calls
-        # it: the model's `Cache.update` writes the cache, then `hfgpt_attention_decode` attends)
-        "hfgpt_attention_decode_step": (
-            ctypes.c_int,
-            [_P] * 5 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int],
-        ),
     },
     "gelu": {
         "hfgpt_gelu_vectorized": (ctypes.c_int, []),

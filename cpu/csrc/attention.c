@@ -427,12 +427,10 @@ int hfgpt_attention_train_backward(const float *q, const float *k, const float *
 
 #if VECTORIZED
 /* head_decode for every (batch, head), one per task of the OpenMP threads, each thread with its own
- * scratch. Where `appended` (a float offset), each task first writes its head's new key and value, at
- * q + appended and q + 2 * appended, into position T - 1 of k and v. Returns 0, or 1 where scratch memory
- * could not be allocated. */
-static int decode_heads(const float *q, float *k, float *v, float *out, const uint8_t *mask, int64_t mask_stride,
-                        int64_t B, int64_t H, int64_t T, const int64_t *qs, const int64_t *ks, const int64_t *vs,
-                        const int64_t *os, float scale, int threads, int64_t appended)
+ * scratch. Returns 0, or 1 where scratch memory could not be allocated. */
+static int decode_heads(const float *q, const float *k, const float *v, float *out, const uint8_t *mask,
+                        int64_t mask_stride, int64_t B, int64_t H, int64_t T, const int64_t *qs, const int64_t *ks,
+                        const int64_t *vs, const int64_t *os, float scale, int threads)
 {
     if (B <= 0 || H <= 0) return 0;
     int failed = 0;
@@ -448,11 +446,7 @@ static int decode_heads(const float *q, float *k, float *v, float *out, const ui
             if (!s) continue;
             const int64_t b = t / H, h = t % H;
             const float *qh = HEAD(q, qs, b, h);
-            float *kh = HEAD(k, ks, b, h), *vh = HEAD(v, vs, b, h);
-            if (appended) {
-                memcpy(kh + (T - 1) * ks[2], qh + appended, sizeof(float) * D);
-                memcpy(vh + (T - 1) * vs[2], qh + 2 * appended, sizeof(float) * D);
-            }
+            const float *kh = HEAD(k, ks, b, h), *vh = HEAD(v, vs, b, h);
             head_decode(qh, kh, ks[2], vh, vs[2], mask ? mask + b * mask_stride : NULL, T, scale, s,
                         HEAD(out, os, b, h));
         }
@@ -471,30 +465,10 @@ int hfgpt_attention_decode(const float *q, const float *k, const float *v, float
                            const int64_t *vs, const int64_t *os, float scale, int threads)
 {
 #if VECTORIZED
-    return decode_heads(q, (float *)k, (float *)v, out, mask, mask_stride, B, H, T, qs, ks, vs, os, scale, threads, 0);
+    return decode_heads(q, k, v, out, mask, mask_stride, B, H, T, qs, ks, vs, os, scale, threads);
 #else
     (void)q, (void)k, (void)v, (void)out, (void)mask, (void)mask_stride, (void)B, (void)H, (void)T;
     (void)qs, (void)ks, (void)vs, (void)os, (void)scale, (void)threads;
-    return 2;
-#endif
-}
-
-/* One decoding step straight from c_attn's output: qkv (B, 1, 3, H, D) contiguous (the new position's
- * queries, keys and values); each head's new key and value are written at position `length` of the cache
- * buffers k and v (B, H, capacity > length, D; strides [batch, head, position] in floats), then its query
- * attends to the length + 1 keys there, as hfgpt_attention_decode; out (B, 1, H, D) contiguous. hfgpt's
- * Python code no longer calls it: the model's cache (transformers' `Cache.update`) stores the new keys and
- * values, and `native_decode_attention` then calls hfgpt_attention_decode. */
-int hfgpt_attention_decode_step(const float *qkv, float *k, float *v, float *out, const uint8_t *mask,
-                                int64_t mask_stride, int64_t B, int64_t H, int64_t length, int64_t kb, int64_t kh,
-                                int64_t kt, int64_t vb, int64_t vh, int64_t vt, float scale, int threads)
-{
-#if VECTORIZED
-    const int64_t qs[3] = {3 * H * D, D, 0}, os[3] = {H * D, D, 0}, ks[3] = {kb, kh, kt}, vs[3] = {vb, vh, vt};
-    return decode_heads(qkv, k, v, out, mask, mask_stride, B, H, length + 1, qs, ks, vs, os, scale, threads, H * D);
-#else
-    (void)qkv, (void)k, (void)v, (void)out, (void)mask, (void)mask_stride, (void)B, (void)H, (void)length;
-    (void)kb, (void)kh, (void)kt, (void)vb, (void)vh, (void)vt, (void)scale, (void)threads;
     return 2;
 #endif
 }
