@@ -94,6 +94,7 @@ def cpu_products(request):
 BACKEND_TEST_MODULES = {
     "test_attention_kernel",
     "test_backend",
+    "test_benchmarks",
     "test_dropout_kernel",
     "test_gelu_kernel",
     "test_huge_pages",

@@ -499,12 +499,13 @@ TINY = bench_model.PROFILES["tiny"]["model_overrides"]
 
 
 def test_plain_hfgpt_is_a_copy_without_the_cpu_backend():
-    from hfgpt.cpu import enabled_by_default, is_kernelized
+    from hfgpt.cpu import is_kernelized
 
     ours = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    assert is_kernelized(ours)  # (this module's models are built kernelized: conftest.py)
     plain = bench_model.plain_hfgpt(ours)
     assert not is_kernelized(plain) and plain.config._attn_implementation == "sdpa"
-    assert is_kernelized(ours) == enabled_by_default()  # the original is untouched
+    assert is_kernelized(ours)  # the original is untouched
     ids = torch.randint(0, TINY["vocab_size"], (2, 16))
     with torch.inference_mode():
         torch.testing.assert_close(plain(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
