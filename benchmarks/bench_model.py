@@ -386,7 +386,10 @@ def measure_hardware(device: str, repeats: int, tiny: bool) -> dict[str, float]:
     bf16 rows), each kernel's best fp32 rate, and the memory read rate."""
     shapes = matmul_shapes(tiny)
     out: dict[str, Any] = {"fp32_matmul_flops_per_s_by_kernel": {}}
-    for key, dtype in (("matmul_flops_per_s", torch.float32), ("bf16_matmul_flops_per_s", torch.bfloat16)):
+    precisions = [("matmul_flops_per_s", torch.float32)]
+    if bfloat16_native(device):
+        precisions.append(("bf16_matmul_flops_per_s", torch.bfloat16))
+    for key, dtype in precisions:
         best = 0.0
         for m, k, n in shapes:
             a = torch.randn(m, k, device=device, dtype=dtype)
@@ -540,7 +543,7 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
     compiled = compiled_plain_hfgpt(ours) if "compile" in ctx.peers else None
     for batch, seq_len in ctx.profile["prefill_shapes"]:
         ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
-        for precision, dtype in (("", None), (", bf16 autocast", torch.bfloat16)):
+        for precision, dtype in (("", None), (", bf16 autocast", torch.bfloat16))[: 2 if ctx.bfloat16 else 1]:
             with torch.inference_mode(), autocast_to(ids.device, dtype):
                 reference = ours(ids).logits.float()
                 err = (reference - peer(ids).logits.float()).abs().max().item()
@@ -688,12 +691,19 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
         "transformers fp32": module_decoder(peer),
     }
     if ctx.device == "cpu":
-        variants["hfgpt bf16"] = module_decoder(quantize_for_decoding(ours, torch.bfloat16))
+        if ctx.bfloat16:
+            variants["hfgpt bf16"] = module_decoder(quantize_for_decoding(ours, torch.bfloat16))
         variants["hfgpt int8"] = module_decoder(quantize_for_decoding(ours))
         variants["hfgpt fp32 copy"] = module_decoder(quantize_for_decoding(ours, torch.float32))
         if "torchao" in ctx.peers:
             quantized, kwargs = torchao_int8(ours)
-            variants[TORCHAO] = module_decoder(quantized, **kwargs)
+            decoder = module_decoder(quantized, **kwargs)
+            try:  # compiles the decoding step (untimed); a model it cannot compile gets no row
+                with torch.inference_mode():
+                    decoder.greedy(prompts, 2)
+                variants[TORCHAO] = decoder
+            except Exception as error:  # noqa: BLE001 (torch.compile's errors have no common type)
+                print(f"[{family} lowp: no torchao row: {type(error).__name__}: {error}]", file=sys.stderr)
         if "ctranslate2" in ctx.peers and (decoder := ctranslate2_int8(peer)) is not None:
             variants[CTRANSLATE2] = decoder
     else:
@@ -765,7 +775,7 @@ def train_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> l
     batch, seq_len = ctx.profile["train_shape"]
     ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=ctx.device)
     flops = 3 * forward_flops(ours.config, batch, seq_len, seq_len)
-    setups = [("fp32", None), ("bf16 autocast", torch.bfloat16)]
+    setups = [("fp32", None), ("bf16 autocast", torch.bfloat16)][: 2 if ctx.bfloat16 else 1]
     rows = []
     for label, dtype in setups:
         # Copies, so the optimizer steps do not change the weights the other sections use.
@@ -962,6 +972,7 @@ class Context:
     keep_freed: bool = False
     onednn: bool = True
     peers: tuple[str, ...] = ()
+    bfloat16: bool = True  # the bfloat16 rows: where `bfloat16_native`
 
 
 def run(
@@ -1005,6 +1016,7 @@ def run(
             keep_freed=keep_freed,
             onednn=onednn,
             peers=tuple(peers),
+            bfloat16=bfloat16_native(device),
         )
         rows: list[Row] = []
         timing_sections = [s for s in sections if s != "memory"]
@@ -1081,6 +1093,15 @@ def machine_info(device: str) -> dict[str, Any]:
 # The instruction sets that decide which of hfgpt's CPU paths run (AVX-512 for the C kernels, VNNI for int8,
 # BF16 / AMX for bfloat16), as /proc/cpuinfo names them.
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def bfloat16_native(device: str) -> bool:
+    """Whether the device computes bfloat16 products natively: a GPU, or a CPU with AVX-512 BF16 or AMX.
+    Elsewhere torch's bfloat16 products run a slow reference loop, and the bfloat16 rows are left out
+    (they would time that loop, not hfgpt)."""
+    if not device.startswith("cpu"):
+        return True
+    return any(name in _cpu_features() for name in ("avx512_bf16", "amx_bf16"))
 
 
 def _cpu_features() -> list[str]:
