@@ -10,10 +10,11 @@ contender runs a few plain steps first (timed without instrumentation), then ste
 `TorchDispatchMode` that times every op torch dispatches and counts the minor page faults (first touches
 of fresh memory) during it. An op's time includes what it runs inside C++ (oneDNN's linear op copies a
 transposed input itself: that copy is part of the product here); hfgpt's C kernels (attention, the
-GELU, dropout's keep masks, the LM loss's log-sum-exp and softmax gradient), called through ctypes, are
-timed as ops of their own ("hfgpt C kernel ..."). Matrix products (oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with
-their FLOPs from the shapes, so their own rate can be set beside the rest of the step. The mode costs a few microseconds an op, so its step total runs a
-little above the plain step time; compare the two contenders, and the shares, not absolute times with
+GELU, dropout's keep masks, the LM loss's log-sum-exp and softmax gradient) are torch operators
+(`hfgpt.cpu.kernels`), timed as ops of their own ("hfgpt.gelu_tanh.default", ...). Matrix products
+(oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with their FLOPs from the shapes,
+so their own rate can be set beside the rest of the step. The mode costs a few microseconds an op, so its
+step total runs a little above the plain step time; compare the two contenders, and the shares, not absolute times with
 other runs (this machine's speed drifts by +-20%).
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import resource
 import sys
 import time
@@ -37,7 +37,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import PROFILES, build_ours, build_peer, make_train_step, write_json  # noqa: E402
 
-from hfgpt.cpu import ops as ops_hfgpt  # noqa: E402
 from hfgpt.cpu.runtime import keep_freed_memory  # noqa: E402
 
 PRODUCTS = ("mkldnn._linear_pointwise", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
@@ -71,8 +70,6 @@ def _faults() -> int:
 class OpTimer(TorchDispatchMode):
     """Wall time, minor page faults, calls and product FLOPs per (op, input shapes)."""
 
-    hfgpt_times_native_kernels = True  # hfgpt's C kernels still run under it (`_TimedLibrary` times them)
-
     def __init__(self) -> None:
         super().__init__()
         self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
@@ -93,43 +90,6 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-class _TimedLibrary:
-    """A ctypes library whose calls are recorded in an `OpTimer` like dispatched ops: hfgpt's C kernels
-    (attention, GELU, dropout's keep masks, the LM loss) are called through ctypes, where no dispatch mode sees them."""
-
-    def __init__(self, library: Any, timer: OpTimer) -> None:
-        self._library, self._timer = library, timer
-
-    def __getattr__(self, name: str) -> Callable:
-        function = getattr(self._library, name)
-
-        def timed(*args: Any) -> Any:
-            faults, start = _faults(), time.perf_counter()
-            out = function(*args)
-            entry = self._timer.stats[(f"hfgpt C kernel {name}", "")]
-            entry[0] += time.perf_counter() - start
-            entry[1] += _faults() - faults
-            entry[2] += 1
-            return out
-
-        return timed
-
-
-# ops_hfgpt's functions that return a C kernel library (or None): wrapped so that the kernels' calls are timed
-NATIVE_KERNEL_GETTERS = (
-    "_attention_kernel",
-    "_dropout_kernel",
-    "_gelu_kernel",
-    "_loss_kernel",
-    "_row_product_kernel",
-)
-
-
-def _timed_kernel(getter: Callable[..., Any], timer: OpTimer, *args: Any) -> Any:
-    library = getter(*args)
-    return None if library is None else _TimedLibrary(library, timer)
-
-
 def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) -> dict[str, Any]:
     """Plain step times (median), then `measured` steps under `OpTimer`, per step (hfgpt's C kernels
     included, as ops of their own)."""
@@ -142,16 +102,9 @@ def breakdown(step: Callable[[], None], warmup: int, plain: int, measured: int) 
         times.append(time.perf_counter() - t0)
         faults.append(_faults() - f0)
     timer = OpTimer()
-    getters = {name: getattr(ops_hfgpt, name) for name in NATIVE_KERNEL_GETTERS}
-    for name, getter in getters.items():
-        setattr(ops_hfgpt, name, functools.partial(_timed_kernel, getter, timer))
-    try:
-        with timer:
-            for _ in range(measured):
-                step()
-    finally:
-        for name, getter in getters.items():
-            setattr(ops_hfgpt, name, getter)
+    with timer:
+        for _ in range(measured):
+            step()
     ops = [
         {
             "op": name,

@@ -1,5 +1,6 @@
 """hfgpt's C kernels (`cpu/csrc/`), built on first use with the machine's C compiler and loaded with
 ctypes: no build step at install time and no torch headers, so a build is one short compiler call.
+`hfgpt.cpu.kernels` makes each of their entry points a torch operator (`torch.ops.hfgpt.*`).
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
 `$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, all of csrc's headers
@@ -40,12 +41,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-_dispatch_stack_length = torch._C._len_torch_dispatch_stack
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_PYTHON_DISPATCH = torch._C.DispatchKey.Python
+import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the libraries share)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -378,33 +374,6 @@ def load(path: Path, name: str) -> ctypes.CDLL:
     return library
 
 
-def dispatch_modes_allow() -> bool:
-    """Whether a kernel may run in place of torch's ops here: no torch dispatch mode is active, or each
-    active one declares `hfgpt_times_native_kernels = True` (benchmarks/step_breakdown.py's timer). A call
-    through ctypes is invisible to such modes: `make_fx` would record a graph without it, FakeTensorMode
-    and FlopCounterMode would miss its work, so callers run torch's ops under them."""
-    if _dispatch_stack_length() == 0:  # (a cheap check first: the common case, on every kernel call)
-        return True
-    return all(
-        getattr(mode, "hfgpt_times_native_kernels", False) for mode in _get_current_dispatch_mode_stack()
-    )
-
-
-def plain_tensors(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel may read these tensors' memory as their values: tensors, parameters, or subclasses
-    that only override `__torch_function__`, holding their values as stored. A subclass that dispatches
-    through Python (`__torch_dispatch__`: DTensor, FakeTensor, TwoTensor) keeps its values elsewhere or has
-    none (its `data_ptr()` may be 0, and a kernel reading there would crash the process), a zero tensor
-    (`torch._efficientzerotensor`) has no memory, and a negated view (`torch._neg_view`) holds the negatives
-    of its values: callers run torch's ops on all of them."""
-    return all(
-        (type(t) in _PLAIN_TYPES or not torch._C._dispatch_keys(t).has(_PYTHON_DISPATCH))
-        and not t.is_neg()
-        and not t._is_zerotensor()
-        for t in tensors
-    )
-
-
 @functools.cache
 def kernel(name: str) -> ctypes.CDLL | None:
     """The library `csrc/{name}.c`, built if needed; None (with one warning) where it cannot be built or
@@ -427,8 +396,6 @@ __all__ = [
     "NativeBuildError",
     "build",
     "cache_dir",
-    "dispatch_modes_allow",
     "kernel",
     "load",
-    "plain_tensors",
 ]

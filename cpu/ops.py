@@ -4,7 +4,7 @@ each function names the plain expression it stands for, and the tests hold the t
 - Linear products on oneDNN (`onednn_mm`, `_OneDNNConv1D`, `use_onednn_products`), an activation applied
   inside the product (`ONEDNN_ACTIVATIONS`), weight casts into reused memory (`workspace`), one-row
   products split between the threads (`one_row_conv1d`, `one_row_product`), on hfgpt's C kernel where it
-  is built (`_row_product_kernel`).
+  is built (`torch.ops.hfgpt.row_product`, `row_conv1d`).
 - Dropout with byte masks from a counter-based generator, in C where it is built (`dropout`, `keep_mask`).
 - Causal attention in bands of query rows on the CPU: with dropout for training (`cpu_dropout_attention`,
   `_BandedDropoutAttention`), without for prefill (`cpu_banded_attention`); without a mask, on hfgpt's
@@ -12,26 +12,26 @@ each function names the plain expression it stands for, and the tests hold the t
   against the cache, with or without a key mask, on the same kernel (`native_decode_attention`).
 - The LM head and its loss without a full vocabulary-wide gradient (`project_to_vocab`,
   `lm_logits_and_loss`, `_LinearCrossEntropy`), its log-sum-exp and softmax gradient on hfgpt's C kernel
-  where it is built (`onednn_logits_and_lse`, `_loss_kernel`), and its gradient shared with the tied
+  where it is built (`onednn_logits_and_lse`, `torch.ops.hfgpt.lse_block`, `softmax_grad`), and its
+  gradient shared with the tied
   embeddings (`TiedHeadGradient`, `_TiedEmbedding`).
 
-Where each is chosen, and why, is in its docstring; what it measured is in benchmarks/RESULTS.md. The
-layers that call these functions are swapped into a model by `hfgpt.cpu.layers.kernelize`; the model files
-never import this one.
+hfgpt's C kernels (csrc/) are torch operators defined in `hfgpt.cpu.kernels`; `kernel_runs` says where
+one may stand in for torch's ops. Where each path is chosen, and why, is in its docstring; what it
+measured is in benchmarks/RESULTS.md. The layers that call these functions are swapped into a model by
+`hfgpt.cpu.layers.kernelize`; the model files never import this one.
 """
 
 import contextlib
-import ctypes
 import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 from torch.nn.modules.module import (
     _global_backward_hooks,
@@ -41,79 +41,30 @@ from torch.nn.modules.module import (
 )
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-try:  # hfgpt's C kernels; a checkpoint's copy of this file (trust_remote_code) runs torch's ops instead
-    from . import native
-except ImportError:
-    native = None
+from . import kernels
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """The tanh GELU of both originals (GPT-1 train.py `gelu`, GPT-2 model.py `gelu`), as one fused kernel
     instead of the ~8 element-wise ops of transformers' `gelu_new`: same values to float precision, less
     time and no saved intermediates in training. `F.gelu(x, approximate="tanh")`, or hfgpt's C kernel
-    (csrc/gelu.c, `_NativeGelu`) for contiguous float32 CPU tensors where it is built with AVX-512."""
+    (`torch.ops.hfgpt.gelu_tanh`, csrc/gelu.c) for contiguous float32 CPU tensors where it is built with
+    AVX-512.
+
+    The kernel computes x sigmoid(2u) (the same function): one exp and one division an element where torch's
+    kernel evaluates a tanh, so forward and backward take a fraction of torch's time on the MLP's 4E-wide
+    activations (benchmarks/RESULTS.md). On normal x 3 and -20..20 inputs, values within 5.2e-7 of the
+    float64 GELU where torch's are within 4.3e-7, gradients within 2.1e-7 where torch's are within 1.0e-6
+    (tests/test_gelu_kernel.py). NaN and the infinities give torch's values and NaN gradients; a finite x
+    beyond 1.8e19 in magnitude the GELU's slope (1 or 0) where torch's float32 formula overflows to NaN. A
+    backward that builds a graph (`create_graph=True`) runs torch's `gelu_backward`."""
     if _native_gelu_applies(x):
-        return _NativeGelu.apply(x)
+        return kernels.gelu_tanh(x)
     return F.gelu(x, approximate="tanh")
 
 
-def _gelu_kernel() -> Any:
-    """The C GELU (`_vectorized_kernel("gelu")`)."""
-    return _vectorized_kernel("gelu")
-
-
-def _vectorized_kernel(name: str) -> Any:
-    """The library of csrc/{name}.c (`native.kernel(name)`), or None: not built (no compiler,
-    `HFGPT_NATIVE=0`, a remote-code copy of this file) or built for a CPU without AVX-512 (its
-    `hfgpt_{name}_vectorized()` says 0)."""
-    library = None if native is None else native.kernel(name)
-    return library if library is not None and getattr(library, f"hfgpt_{name}_vectorized")() else None
-
-
 def _native_gelu_applies(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.is_contiguous() and _native_library("gelu", x) is not None
-
-
-class _NativeGelu(torch.autograd.Function):
-    """`F.gelu(x, approximate="tanh")` and its gradient by csrc/gelu.c, as x sigmoid(2u) (the same
-    function): one exp and one division an element where torch's kernel evaluates a tanh, so forward and
-    backward take a fraction of torch's time on the MLP's 4E-wide activations (benchmarks/RESULTS.md).
-    On normal x 3 and -20..20 inputs, values within 5.2e-7 of the float64 GELU where torch's are within
-    4.3e-7, gradients within 2.1e-7 where torch's are within 1.0e-6 (tests/test_gelu_kernel.py). NaN and
-    the infinities give torch's values and NaN gradients; a finite x beyond 1.8e19 in magnitude the GELU's
-    slope (1 or 0) where torch's float32 formula overflows to NaN. A backward that builds a graph
-    (`create_graph=True`) or runs under a dispatch mode runs torch's `gelu_backward`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.library = _gelu_kernel()  # (the backward runs on the library the forward ran on)
-        y = torch.empty_like(x)
-        status = ctx.library.hfgpt_gelu_forward(
-            x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads()
-        )
-        if status != 0:
-            raise RuntimeError(f"GELU kernel: refused its arguments (status {status}, {x.numel()} elements)")
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        if (
-            torch.is_grad_enabled()  # create_graph=True: differentiable ops
-            or grad.dtype != torch.float32
-            or not native.dispatch_modes_allow()  # (a mode entered after the forward sees torch's op)
-            or not native.plain_tensors(grad)
-        ):
-            return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-        grad = grad.contiguous()
-        out = torch.empty_like(x)
-        status = ctx.library.hfgpt_gelu_backward(
-            x.data_ptr(), grad.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()
-        )
-        if status != 0:
-            raise RuntimeError(f"GELU kernel: refused its arguments (status {status}, {x.numel()} elements)")
-        return out
+    return x.dtype == torch.float32 and x.is_contiguous() and kernel_runs("gelu", x)
 
 
 # Each of those functions overwriting its input, for the MLP when nothing else can hold that input: the
@@ -267,12 +218,30 @@ def eager_on_cpu(x: torch.Tensor) -> bool:
 def values_readable(*tensors: torch.Tensor) -> bool:
     """Whether the host may read these tensors' values (for input checks): run eagerly, and not meta or
     fake tensors (shape-only passes that estimate memory or FLOPs)."""
-    return _eager() and not any(
-        t.is_meta or (type(t) not in _PLAIN_TENSOR_TYPES and is_fake(t)) for t in tensors
+    return _eager() and plain_tensors(*tensors) and not any(t.is_meta for t in tensors)
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def plain_tensors(*tensors: torch.Tensor) -> bool:
+    """Whether these are tensors or parameters themselves, not subclasses: a subclass (FakeTensor,
+    DTensor, a `__torch_function__` wrapper) runs torch's ops, which it knows how to handle, rather than an
+    hfgpt kernel, which it may not."""
+    return all(type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
+
+
+def kernel_runs(name: str, *tensors: torch.Tensor) -> bool:
+    """Whether hfgpt's C kernel csrc/{name}.c (`torch.ops.hfgpt.*`, `hfgpt.cpu.kernels`) may stand in for
+    torch's ops on these tensors (of the dtypes its callers check): plain CPU tensors whose rows are
+    contiguous, run eagerly (`eager_on_cpu`; a compiled graph keeps torch's ops, which the compiler fuses),
+    and the library built for this CPU (`kernels.available`)."""
+    return (
+        eager_on_cpu(tensors[0])
+        and plain_tensors(*tensors)
+        and all(t.dim() == 0 or t.stride(-1) == 1 for t in tensors)
+        and kernels.available(name)
     )
-
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # (not fake: skips `is_fake`'s check on every call)
 
 
 def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
@@ -401,12 +370,6 @@ def _keep_mask_torch(n: int, seed: torch.Tensor, threshold: int) -> torch.Tensor
     return halves >= threshold
 
 
-def _dropout_kernel() -> Any:
-    """The C keep-mask generator (`native.kernel("dropout")`), or None: not built (no compiler,
-    `HFGPT_NATIVE=0`, a remote-code copy of this file)."""
-    return None if native is None else native.kernel("dropout")
-
-
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """Bernoulli(1 - p) keep mask for dropout: a counter-based generator (SplitMix64, csrc/dropout.c)
     seeded by one 64-bit draw from the device's default generator.
@@ -423,16 +386,9 @@ def keep_mask(shape: tuple[int, ...], p: float, device: torch.device) -> torch.T
     n = math.prod(shape)
     threshold = min(round(p * 2**32), 2**32 - 1)
     seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
-    library = _dropout_kernel() if device.type == "cpu" else None
-    if library is None or not native.dispatch_modes_allow():
+    if device.type != "cpu" or not kernels.available("dropout"):
         return _keep_mask_torch(n, seed, threshold).view(shape)
-    keep = torch.empty(shape, dtype=torch.bool, device=device)
-    status = library.hfgpt_keep_mask(
-        keep.data_ptr(), n, seed.item() % 2**64, threshold, torch.get_num_threads()
-    )
-    if status != 0:
-        raise RuntimeError(f"keep-mask kernel: refused its arguments (status {status}, {n} elements)")
-    return keep
+    return kernels.keep_mask(list(shape), seed, threshold)
 
 
 class _MaskedScale(torch.autograd.Function):
@@ -559,8 +515,7 @@ class _BandedDropoutAttention(torch.autograd.Function):
         ctx.mask, ctx.scaling, ctx.p = attention_mask, scaling, p
         ctx.native = native_attention_takes(query, key, value, attention_mask)
         if ctx.native:
-            ctx.library = _attention_kernel()  # (the backward runs on the library the forward ran on)
-            out, saved = _native_dropout_attention(ctx.library, query, key, value, scaling, p)
+            out, saved = _native_dropout_attention(query, key, value, scaling, p)
             ctx.save_for_backward(query, key, value, *saved)
             return out
         batch, heads, length, dim = query.shape
@@ -596,7 +551,7 @@ class _BandedDropoutAttention(torch.autograd.Function):
             return _differentiable_band_grads(
                 query, key, value, ctx.mask, ctx.scaling, ctx.p, keeps, grad_out
             )
-        if ctx.native and native.dispatch_modes_allow() and native.plain_tensors(grad_out):
+        if ctx.native and plain_tensors(grad_out):
             return (
                 *_native_dropout_attention_backward(query, key, value, saved, grad_out, ctx),
                 None,
@@ -625,18 +580,12 @@ class _BandedDropoutAttention(torch.autograd.Function):
         return grad_q.view(shape), grad_k.view(shape), grad_v.view(shape), None, None, None
 
 
-def _kernel_failed(status: int, length: int) -> NoReturn:
-    """The error for a nonzero status of the C attention kernel (csrc/attention.c's return values)."""
-    if status == 1:
-        raise MemoryError(f"attention kernel: no scratch memory for {length} positions")
-    raise RuntimeError(f"attention kernel: refused its arguments (status {status}, {length} positions)")
-
-
 def _native_dropout_attention(
-    library: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, p: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, p: float
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`_BandedDropoutAttention`'s forward by the C kernel: the same keep masks, drawn band by band in the
-    same order, and the same saved probabilities (each band's (B*H, rows, keys up to its last row))."""
+    """`_BandedDropoutAttention`'s forward by the C kernel (`torch.ops.hfgpt.attention_train_forward`): the
+    same keep masks, drawn band by band in the same order, and the same saved probabilities (each band's
+    (B*H, rows, keys up to its last row))."""
     batch, heads, length, dim = query.shape
     keeps, probs = [], []
     for start in range(0, length, ATTENTION_BAND):
@@ -644,14 +593,7 @@ def _native_dropout_attention(
         shape = (batch * heads, stop - start, stop)
         keeps.append(keep_mask((batch, heads, stop - start, stop), p, query.device).view(shape))
         probs.append(query.new_empty(shape))
-    out = query.new_empty(batch, length, heads, dim)
-    status = library.hfgpt_attention_train_forward(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), batch, heads, length,
-        _strides(query), _strides(key), _strides(value), _strides(out.transpose(1, 2)), scaling,
-        _pointers(keeps), _pointers(probs), ATTENTION_BAND, 1.0 / (1.0 - p), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        _kernel_failed(status, length)
+    out = kernels.attention_train_forward(query, key, value, keeps, probs, scaling, p)
     return out, [t for pair in zip(probs, keeps, strict=True) for t in pair]
 
 
@@ -663,20 +605,12 @@ def _native_dropout_attention_backward(
     grad_out: torch.Tensor,  # (B, T, H, D)
     ctx: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The query, key and value gradients of `_native_dropout_attention` by the C kernel, from its saved
-    probabilities and keep masks."""
-    batch, heads, length, dim = query.shape
+    """The query, key and value gradients of `_native_dropout_attention` by the C kernel
+    (`torch.ops.hfgpt.attention_train_backward`), from its saved probabilities and keep masks."""
     grad = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    grads = [query.new_empty(batch, heads, length, dim) for _ in range(3)]
-    status = ctx.library.hfgpt_attention_train_backward(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), grad.data_ptr(), *(g.data_ptr() for g in grads),
-        batch, heads, length, _strides(query), _strides(key), _strides(value), _strides(grad.transpose(1, 2)),
-        *(_strides(g) for g in grads), ctx.scaling, _pointers(saved[1::2]), _pointers(saved[0::2]),
-        ATTENTION_BAND, 1.0 / (1.0 - ctx.p), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        _kernel_failed(status, length)
-    return grads[0], grads[1], grads[2]
+    return kernels.attention_train_backward(
+        query, key, value, grad, list(saved[1::2]), list(saved[0::2]), ctx.scaling, ctx.p
+    )
 
 
 def _differentiable_band_grads(
@@ -782,11 +716,6 @@ def cpu_banded_attention(
 NATIVE_HEAD_SIZE = 64
 
 
-def _attention_kernel() -> Any:
-    """The C attention kernel (`_vectorized_kernel("attention")`)."""
-    return _vectorized_kernel("attention")
-
-
 def native_attention_takes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any
 ) -> bool:
@@ -806,9 +735,8 @@ def _attention_kernel_reads(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *masks: torch.Tensor
 ) -> bool:
     """What every use of the C attention kernel needs of its inputs: float32 CPU queries, keys and values
-    with contiguous rows, outside autocast (sdpa would run in autocast's dtype), values the host may read
-    (`values_readable`) and plain tensors, masks included (`native.plain_tensors`), no dispatch mode to see
-    torch's ops (`native.dispatch_modes_allow`), and the kernel available."""
+    with contiguous rows, outside autocast (sdpa would run in autocast's dtype), plain tensors, masks
+    included, and the kernel available (`kernel_runs`)."""
     return (
         query.dtype == key.dtype == value.dtype == torch.float32
         and query.is_cpu
@@ -816,10 +744,9 @@ def _attention_kernel_reads(
         and value.is_cpu
         and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
         and not torch.is_autocast_enabled("cpu")
-        and values_readable(query, key, value)
-        and _attention_kernel() is not None
-        and native.dispatch_modes_allow()
-        and native.plain_tensors(query, key, value, *masks)
+        and not any(t.is_meta for t in (query, key, value))
+        and plain_tensors(*masks)
+        and kernel_runs("attention", query, key, value)
     )
 
 
@@ -831,15 +758,6 @@ def native_attention_applies(
     return not (query.requires_grad or key.requires_grad or value.requires_grad) and native_attention_takes(
         query, key, value, attention_mask
     )
-
-
-def _strides(t: torch.Tensor) -> Any:
-    """A (B, H, T, D) tensor's first three strides, for the C kernel."""
-    return (ctypes.c_int64 * 3)(*t.stride()[:3])
-
-
-def _pointers(tensors: list[torch.Tensor]) -> Any:
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
 def native_causal_attention(
@@ -861,16 +779,7 @@ def native_causal_attention(
     softmax over them, and their weighted values, at a higher share of the CPU's arithmetic rate
     (benchmarks/RESULTS.md). The values agree with sdpa's to float rounding
     (tests/test_attention_kernel.py)."""
-    batch, heads, length, dim = query.shape
-    output = query.new_empty(batch, length, heads, dim)
-    status = _attention_kernel().hfgpt_causal_attention(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), batch, heads, length,
-        _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)), scaling,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        _kernel_failed(status, length)
-    return output, None
+    return kernels.causal_attention(query, key, value, scaling), None
 
 
 def native_decode_attention_applies(
@@ -906,14 +815,6 @@ def _decode_key_mask(mask: Any, batch: int, keys: int) -> bool:
     )
 
 
-def _key_mask_rows(mask: torch.Tensor | None) -> tuple[int | None, int]:
-    """A `_decode_key_mask` (or None) as the decoding kernels take it: its data pointer, and the stride
-    between batch entries' rows (0 where one row serves every entry)."""
-    if mask is None:
-        return None, 0
-    return mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0
-
-
 def native_decode_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -933,17 +834,7 @@ def native_decode_attention(
     outside the arithmetic, and each layer's cached keys and values come from memory after the step's
     weights have gone through the caches: the kernel reads each kept key and value row once, in one call
     per layer (benchmarks/RESULTS.md)."""
-    batch, heads, _, dim = query.shape
-    output = query.new_empty(batch, 1, heads, dim)
-    status = _attention_kernel().hfgpt_attention_decode(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), *_key_mask_rows(attention_mask),
-        batch, heads,
-        key.shape[-2], _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)),
-        scaling, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        _kernel_failed(status, key.shape[-2])
-    return output, None
+    return kernels.decode_attention(query, key, value, attention_mask, scaling), None
 
 
 # Rows of a float32 weight cast at a time when `row_aligned_mm` multiplies it in a lower precision.
@@ -1058,22 +949,15 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     memory's bandwidth, with the same values and the same greedy tokens (`quantize_for_decoding`'s float32
     copy; benchmarks/RESULTS.md).
 
-    Where hfgpt's C kernel is built (csrc/row_product.c, `_row_product_kernel`), each thread computes the
+    Where hfgpt's C kernel is built (csrc/row_product.c, `torch.ops.hfgpt.row_product`), each thread computes the
     dot products of its run of rows itself, as one sequential read, closer to the rate of a plain sum over
     the same memory than the split `bmm`, on a busy host too."""
     parts = one_row_parts(flat, weight)
     if not parts or not weight.is_contiguous():
         return None
     out, width = weight.shape
-    library = _row_product_kernel(flat, weight)
-    if library is not None:
-        y = flat.new_empty(1, out)
-        status = library.hfgpt_row_product(
-            flat.data_ptr(), weight.data_ptr(), out, width, None, y.data_ptr(), parts
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"row product kernel: refused a {out} x {width} weight (status {status})")
-        return y
+    if kernel_runs("row_product", flat, weight):
+        return kernels.row_product(flat, weight, parts)
     size = out // parts
     column = flat.T.expand(parts, width, 1)  # (parts, in, 1), no copy
     sliced = torch.bmm(weight[: size * parts].view(parts, size, width), column).view(1, size * parts)
@@ -1101,16 +985,8 @@ def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     width, out = weight.shape
     if not parts or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
-    library = _row_product_kernel(x, weight, *([] if bias is None else [bias]))
-    if library is not None:
-        y, scratch = x.new_empty(1, out), x.new_empty(parts * out)
-        status = library.hfgpt_row_conv1d(
-            x.data_ptr(), weight.data_ptr(), width, out, None if bias is None else bias.data_ptr(),
-            y.data_ptr(), scratch.data_ptr(), parts,
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"row product kernel: refused a {width} x {out} weight (status {status})")
-        return y
+    if kernel_runs("row_product", x, weight, *([] if bias is None else [bias])):
+        return kernels.row_conv1d(x, weight, bias, parts)
     if width % parts:
         return None
     blocks = weight.view(parts, width // parts, out)  # (parts, in / parts, out)
@@ -1136,23 +1012,9 @@ def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         or torch.is_autocast_enabled("cpu")
     ):
         return None
-    library = _row_product_kernel(*tensors)
-    if library is None or not library.hfgpt_row_product_bf16_available():
+    if not (kernel_runs("row_product", *tensors) and kernels.row_product_bf16_available()):
         return None
-    out, width = weight.shape
-    y = x.new_empty(1, out)
-    status = library.hfgpt_row_product_bf16(
-        x.data_ptr(), weight.data_ptr(), out, width, None if bias is None else bias.data_ptr(), y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"row product kernel: refused a bfloat16 {out} x {width} weight (status {status})")
-    return y
-
-
-def _row_product_kernel(*tensors: torch.Tensor) -> Any:
-    """csrc/row_product.c's library where it may read these tensors (`_native_library`)."""
-    return _native_library("row_product", *tensors)
+    return kernels.row_product_bf16(x, weight, bias)
 
 
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1262,22 +1124,16 @@ def onednn_logits_and_lse(
     way than with the single product and `log_sum_exp` (benchmarks/RESULTS.md).
 
     Each block's copy into `out` and its sum run as one pass over each row on hfgpt's C kernel
-    (csrc/loss.c, `_loss_kernel`) where it is built, the running sum kept in float64; torch's copy,
+    (csrc/loss.c, `torch.ops.hfgpt.lse_block`) where it is built, the running sum kept in float64; torch's copy,
     amax, subtraction, exp and sum otherwise, several passes over each block: the kernel cuts much of the
     time the head and its log-sum-exp take beyond the products themselves."""
     rows = hidden.shape[0]
-    library = _loss_kernel(hidden, weight, out)
-    if library is not None:  # csrc/loss.c: the same arithmetic, one pass over each row of a block
+    if kernel_runs("loss", hidden, weight, out):  # csrc/loss.c: the same arithmetic, one pass over each row
         peak = hidden.new_full((rows,), float("-inf"))
         total = hidden.new_zeros(rows, dtype=torch.float64)
         for start, stop, block in weight_blocks(weight, hidden.dtype, LOGIT_BLOCK_COLUMNS):
             part = onednn_mm(hidden, block).contiguous()
-            status = library.hfgpt_lse_block(
-                part.data_ptr(), stop - start, out[:, start:stop].data_ptr(), out.stride(0), rows,
-                stop - start, peak.data_ptr(), total.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"loss kernel: refused a ({rows}, {stop - start}) block (status {status})")
+            kernels.lse_block(part, out[:, start:stop], peak, total)
         shift = peak.masked_fill_(~peak.isfinite(), 0.0)
         return out, total.log_().add_(shift).float()
     peak = hidden.new_full((rows, 1), float("-inf"))  # the running maximum
@@ -1293,22 +1149,6 @@ def onednn_logits_and_lse(
         total.add_(part.sub_(new_shift).exp_().sum(dim=1, keepdim=True))
         shift = new_shift
     return out, total.log_().add_(shift).squeeze(1)
-
-
-def _loss_kernel(*tensors: torch.Tensor) -> Any:
-    """csrc/loss.c's library where it may read and write these tensors (`_native_library`)."""
-    return _native_library("loss", *tensors)
-
-
-def _native_library(name: str, *tensors: torch.Tensor) -> Any:
-    """csrc/{name}.c's library where it may read and write these tensors (of the dtypes its callers check):
-    CPU tensors whose rows are contiguous, run eagerly, outside dispatch modes that cannot see it, where
-    the library is built with AVX-512 (`_vectorized_kernel`); else None, and callers run torch's ops."""
-    if native is None or not all(t.dim() == 0 or t.stride(-1) == 1 for t in tensors):
-        return None
-    if not (eager_on_cpu(tensors[0]) and native.dispatch_modes_allow() and native.plain_tensors(*tensors)):
-        return None
-    return _vectorized_kernel(name)
 
 
 def _storage_holders(tensor: torch.Tensor) -> int | None:
@@ -1499,7 +1339,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         width = max(64, HEAD_SLICE_ELEMENTS // rows // 64 * 64)  # columns per slice
         if not float32:  # each slice's weight is cast into the workspace, which keeps its largest size
             width = min(width, CAST_BLOCK_ROWS)
-        library = None  # csrc/loss.c for float32 logits: softmax - onehot in one pass over a slice
+        on_kernel = False  # csrc/loss.c for float32 logits: softmax - onehot in one pass over a slice
         if (
             float32
             and logits.dtype == lse.dtype == scale.dtype == torch.float32
@@ -1507,23 +1347,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ):
             # (N,) each, contiguous: the kernel reads row r's values at index r
             lse, row_scale, targets = lse.contiguous(), scale.reshape(-1).contiguous(), targets.contiguous()
-            library = _loss_kernel(logits, lse, row_scale, targets)
-        row_ids = torch.arange(rows, device=logits.device) if library is None else None
+            on_kernel = kernel_runs("loss", logits, lse, row_scale, targets)
+        row_ids = None if on_kernel else torch.arange(rows, device=logits.device)
         # One slice's gradient (float32, and its copy in the products' dtype), reused by every slice.
         buffer = logits.new_empty(rows * width, dtype=torch.float32)
         low = buffer if float32 else logits.new_empty(rows * width)
         for start, stop, weight_slice in weight_blocks(weight, hidden.dtype, width):  # in the products' dtype
             grad = buffer[: rows * (stop - start)].view(rows, stop - start)
-            if library is not None:
-                status = library.hfgpt_softmax_grad(
-                    logits[:, start:stop].data_ptr(), logits.stride(0), lse.data_ptr(), row_scale.data_ptr(),
-                    targets.data_ptr(), start, rows, stop - start, grad.data_ptr(), stop - start,
-                    torch.get_num_threads(),
-                )  # fmt: skip
-                if status != 0:
-                    raise RuntimeError(
-                        f"loss kernel: refused a ({rows}, {stop - start}) slice (status {status})"
-                    )
+            if on_kernel:
+                kernels.softmax_grad(logits[:, start:stop], lse, row_scale, targets, start, grad)
             else:
                 subtract_per_row(logits[:, start:stop], lse[:, None], out=grad).exp_().mul_(scale)  # softmax
                 hit = (targets >= start) & (targets < stop)

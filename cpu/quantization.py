@@ -8,8 +8,6 @@ agreement) beside float32.
 """
 
 import copy
-import ctypes
-import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -22,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel, eager_attention_forward
 from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
-from . import native
+from . import kernels
 from .huge_pages import gather_into_huge_pages
 from .ops import (
     FEW_ROWS,
@@ -35,6 +33,7 @@ from .ops import (
     onednn_bfloat16_runs,
     onednn_mm,
     onednn_runs_here,
+    plain_tensors,
 )
 
 
@@ -138,7 +137,7 @@ class Int8Linear(nn.Module):
     layers: the outputs never require one).
 
     The product runs in hfgpt's C kernel (`cpu/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has it,
-    built on first use by `native.kernel`): it reads the packed weight once per call, one contiguous
+    built on first use by `hfgpt.cpu.native`; `torch.ops.hfgpt.int8_linear`): it reads the packed weight once per call, one contiguous
     stream per 32 output channels, so one decoding step is bound by memory, not arithmetic, and the one
     stream reads GPT-2's weights at one row faster than torch.ao's fbgemm product (benchmarks/RESULTS.md).
     Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per
@@ -218,15 +217,13 @@ class Int8Linear(nn.Module):
         if x.shape[-1] != width:
             raise ValueError(f"Int8Linear expects {width} input features, got shape {tuple(x.shape)}")
         buffers = self._buffers  # (the module's __getattr__ is slow for lookups made on every call)
-        packed = buffers["packed"]
-        library = native.kernel("int8_linear") if x.is_cpu and packed.is_cpu else None
         # (elsewhere than the CPU, torch's errors; a tensor subclass, or buffers the kernel would misread
         # (replaced by a user), torch's ops on them)
         if (
-            library is None
-            or not native.dispatch_modes_allow()
-            or not native.plain_tensors(x)
+            not x.is_cpu
+            or not plain_tensors(x)
             or not self.buffers_fit_kernel()
+            or not kernels.available("int8_linear")
         ):
             with torch.no_grad():
                 return self.reference(x)
@@ -235,17 +232,9 @@ class Int8Linear(nn.Module):
         if not has_storage(x):  # a functorch transform's wrapper (vmap, grad): torch's ops see through it
             with torch.no_grad():
                 return self.reference(x)
-        out = x.new_empty(*x.shape[:-1], self.out_features)
-        bias = buffers["bias"]
-        status = library.hfgpt_int8_linear(
-            x.data_ptr(), math.prod(x.shape[:-1]), width, width, packed.data_ptr(),
-            self.out_features, self.packed_in, buffers["scale"].data_ptr(),
-            None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError(f"Int8Linear: no memory for the int8 copy of a {tuple(x.shape)} input")
-        return out
+        if x.requires_grad:  # inference only, as the reference runs under no_grad
+            x = x.detach()
+        return kernels.int8_linear(x, buffers["packed"], buffers["scale"], buffers["bias"])
 
     def buffers_fit_kernel(self) -> bool:
         """Whether the buffers are what the kernel reads: the packed uint8 weight of this layer's shape and
@@ -271,7 +260,7 @@ class Int8Linear(nn.Module):
 
 class Int8Block(GPTBlock):
     """A block of an int8 decoding copy: the same modules and the same order of operations as `GPTBlock`,
-    run in two calls of hfgpt's C kernel around the attention where they can be (`fused_library`):
+    run in two calls of hfgpt's C kernel around the attention where they can be (`fuses`):
     `hfgpt_int8_norm_linear` (ln_1 and c_attn) and `hfgpt_int8_block_tail` (c_proj, the residual sums,
     ln_2, the MLP; GPT-1's post-norms too), instead of about 20 torch ops and module calls a block, whose
     overhead outside the products was a sizeable share of an int8 decoding step. The products are the same
@@ -298,11 +287,12 @@ class Int8Block(GPTBlock):
             attn._modules["c_attn"], attn._modules["c_proj"], mlp._modules["c_fc"], mlp._modules["c_proj"],
         )  # fmt: skip
 
-    def fused_library(self, hidden_states: torch.Tensor) -> ctypes.CDLL | None:
-        """The int8 kernel library where the fused path computes what `GPTBlock.forward` would: inference
+    def fuses(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the fused kernels (`torch.ops.hfgpt.int8_norm_linear`, `int8_block_tail`) compute what
+        `GPTBlock.forward` would: inference
         (no module training, no gradient needed), float32 CPU hidden states outside autocast and
         compilation, int8 layers throughout, affine layer norms of one epsilon, the tanh GELU, and no hook
-        on a module the fused path would not call; else None."""
+        on a module the fused path would not call."""
         attn, mlp, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = parts = self._parts()
         norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
         width = hidden_states.shape[-1]
@@ -334,17 +324,10 @@ class Int8Block(GPTBlock):
             or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
             or any(has_forward_hooks(module) for module in parts)  # code the fused path would not run
+            or not plain_tensors(hidden_states, *norms)
         ):
-            return None
-        library = native.kernel("int8_linear")
-        if (
-            library is None
-            or not library.hfgpt_int8_fused_available()
-            or not native.dispatch_modes_allow()
-            or not native.plain_tensors(hidden_states)
-        ):
-            return None
-        return library
+            return False
+        return kernels.int8_fused_available()
 
     def forward(
         self,
@@ -353,30 +336,25 @@ class Int8Block(GPTBlock):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        library = self.fused_library(hidden_states)
-        if library is None:
+        if not self.fuses(hidden_states):
             return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
         attn, _, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = self._parts()
         batch, seq_len, width = hidden_states.shape
-        rows, threads, eps = batch * seq_len, torch.get_num_threads(), ln_1.eps
         h = hidden_states.contiguous()
-        qkv = h.new_empty(batch, seq_len, 3 * width)
-        norm = (ln_1.weight.data_ptr(), ln_1.bias.data_ptr()) if self.pre_norm else (None, None)
-        status = library.hfgpt_int8_norm_linear(
-            h.data_ptr(), rows, width, *norm, eps, *_kernel_layer(c_attn, out=True), qkv.data_ptr(), threads
+        norm = (ln_1.weight, ln_1.bias) if self.pre_norm else (None, None)
+        qkv = kernels.int8_norm_linear(h, *norm, ln_1.eps, *_kernel_layer(c_attn))
+        output = _attend(attn, qkv, attention_mask, past_key_values, **kwargs)
+        output = output.reshape(batch * seq_len, width).contiguous()  # (B*T, E)
+        layers = (c_proj, c_fc, mlp_proj)
+        return kernels.int8_block_tail(
+            output,
+            h,
+            self.pre_norm,
+            [ln_1.weight, ln_1.bias, ln_2.weight, ln_2.bias],
+            ln_1.eps,
+            [t for layer in layers for t in _kernel_layer(layer)[:2]],
+            [_kernel_layer(layer)[2] for layer in layers],
         )
-        if status == 0:
-            output = _attend(attn, qkv, attention_mask, past_key_values, **kwargs)
-            output = output.reshape(rows, width).contiguous()  # (B*T, E)
-            out = torch.empty_like(h)
-            status = library.hfgpt_int8_block_tail(
-                output.data_ptr(), h.data_ptr(), out.data_ptr(), rows, width, int(self.pre_norm),
-                ln_1.weight.data_ptr(), ln_1.bias.data_ptr(), ln_2.weight.data_ptr(), ln_2.bias.data_ptr(), eps,
-                *_kernel_layer(c_proj), *_kernel_layer(c_fc, out=True), *_kernel_layer(mlp_proj), threads,
-            )  # fmt: skip
-        if status != 0:
-            raise MemoryError(f"Int8Block: no memory for the scratch of a {tuple(hidden_states.shape)} input")
-        return out
 
 
 def _attend(
@@ -398,18 +376,10 @@ def _attend(
     return output
 
 
-def _kernel_layer(layer: Int8Linear, out: bool = False) -> tuple[int | None, ...]:
-    """An `Int8Linear`'s arguments to the block kernels: packed weight, (outputs,) padded inputs, scales,
-    bias."""
+def _kernel_layer(layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An `Int8Linear`'s packed weight, scales and bias, as the int8 kernels take them."""
     buffers = layer._buffers
-    bias = buffers["bias"]
-    sizes = (layer.out_features, layer.packed_in) if out else (layer.packed_in,)
-    return (
-        buffers["packed"].data_ptr(),
-        *sizes,
-        buffers["scale"].data_ptr(),
-        None if bias is None else bias.data_ptr(),
-    )
+    return buffers["packed"], buffers["scale"], buffers["bias"]
 
 
 def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:

@@ -5,8 +5,7 @@ import pytest
 import torch
 from test_performance import seeded_step  # tests/ is on sys.path
 
-from hfgpt.cpu import native
-from hfgpt.cpu import ops as ops_hfgpt
+from hfgpt.cpu import kernels, native
 from hfgpt.modeling import GPTForCausalLM
 
 
@@ -19,28 +18,36 @@ def fresh_kernel_cache():
     native.kernel.cache_clear()
 
 
-def record_kernel_calls(monkeypatch, getter: str) -> list[str]:
-    """The names of the entry points called (and still run) on the library that `ops_hfgpt.<getter>`
-    returns, whatever arguments the getter takes; the getter still returns None where it did."""
-    calls, choose = [], getattr(ops_hfgpt, getter)
+def record_kernel_calls(monkeypatch, name: str) -> list[str]:
+    """The names of the entry points of csrc/{name}.c that hfgpt's operators (`hfgpt.cpu.kernels`) call, in
+    order, as they are called (and still run)."""
+    calls, library_of = [], kernels._library
 
     class Spy:
         def __init__(self, library):
             self.library = library
 
-        def __getattr__(self, name):
+        def __getattr__(self, entry):
             def call(*args):
-                calls.append(name)
-                return getattr(self.library, name)(*args)
+                calls.append(entry)
+                return getattr(self.library, entry)(*args)
 
             return call
 
-    def spied(*args):
-        library = choose(*args)
-        return None if library is None else Spy(library)
+    def spied(kernel_name):
+        library = library_of(kernel_name)
+        return Spy(library) if kernel_name == name else library
 
-    monkeypatch.setattr(ops_hfgpt, getter, spied)
+    monkeypatch.setattr(kernels, "_library", spied)
     return calls
+
+
+def without_kernel(monkeypatch, name: str) -> None:
+    """Callers see csrc/{name}.c as unavailable (`kernels.available`), and run torch's ops instead."""
+    available = kernels.available
+    monkeypatch.setattr(
+        kernels, "available", lambda kernel_name: kernel_name != name and available(kernel_name)
+    )
 
 
 def assert_step_equals_torchs(

@@ -1,4 +1,4 @@
-"""hfgpt's causal attention kernel for CPU prefill (modeling/csrc/attention.c, `native_causal_attention`)
+"""hfgpt's causal attention kernel for CPU prefill (cpu/csrc/attention.c, `native_causal_attention`)
 against torch's sdpa, where the model runs it, and where it steps aside."""
 
 import contextlib
@@ -19,6 +19,7 @@ from test_performance import (  # tests/ is on sys.path
 )
 from torch.testing._internal.two_tensor import TwoTensor
 
+from hfgpt.cpu import kernels
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import (
     native_attention_applies,
@@ -148,7 +149,11 @@ def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
     # A __torch_dispatch__ subclass, whose data_ptr() is 0
     two = [TwoTensor(t, t * 2) for t in (t.contiguous() for t in (q, k, v))]
     assert not native_attention_applies(*two, None)
-    assert not native_attention_applies(q, torch._neg_view(k), v, None)  # holds the negatives of its values
+    # A negated view holds the negatives of its values: torch's dispatcher hands the kernel's operator the
+    # values themselves.
+    assert native_attention_applies(q, torch._neg_view(k), v, None)
+    got = native_causal_attention(torch.nn.Module(), q, torch._neg_view(k), v, None, scaling=0.125)[0]
+    _assert_as_close_as_sdpa(got, q, -k, v, 0.125)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa would compute in bfloat16
         assert not native_attention_applies(q, k, v, None)
     # Shapes sdpa broadcasts or accepts, which the kernel does not read: fewer key and value heads, values
@@ -159,10 +164,10 @@ def test_native_attention_applies_only_to_unmasked_float32_causal_inference():
 
 
 @needs_kernel
-def test_dispatch_modes_see_torch_ops_instead_of_the_kernel():
-    """A ctypes call is invisible to torch's dispatch modes: under `make_fx` the recorded graph must hold
-    the attention (replayed on new inputs it gives their attention), and a mode that counts ops (as
-    FlopCounterMode does) must see it."""
+def test_dispatch_modes_see_the_kernel_as_one_operator():
+    """The kernel is a torch operator (`torch.ops.hfgpt.causal_attention`): `make_fx` records it in its
+    graph (replayed on new inputs it gives their attention), and a mode that counts ops (as FlopCounterMode
+    does) sees it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def attention(q, k, v):
@@ -174,10 +179,11 @@ def test_dispatch_modes_see_torch_ops_instead_of_the_kernel():
     graph = make_fx(attention, tracing_mode="real")(q, k, v)
     new = [t.contiguous() for t in _qkv(1, 2, 40, seed=1)]
     torch.testing.assert_close(graph(*new), _sdpa(*new, 0.125), atol=1e-5, rtol=1e-5)
+    assert torch.ops.hfgpt.causal_attention.default in {node.target for node in graph.graph.nodes}
     with OpRecorder() as recorder:
         attention(q, k, v)
-    assert any("scaled_dot_product" in str(op) for op in recorder.ops)
-    assert native_attention_applies(q, k, v, None)  # and outside the modes, the kernel
+    assert torch.ops.hfgpt.causal_attention.default in recorder.ops
+    assert not any("scaled_dot_product" in str(op) for op in recorder.ops)
 
 
 def test_without_the_kernel_prefill_takes_sdpa(monkeypatch):
@@ -185,7 +191,7 @@ def test_without_the_kernel_prefill_takes_sdpa(monkeypatch):
     sdpa (in bands), with the same logits as its autograd forward."""
     monkeypatch.setenv("HFGPT_NATIVE", "0")
     q, k, v = _qkv(1, 2, 16)
-    assert ops_hfgpt._attention_kernel() is None and not native_attention_applies(q, k, v, None)
+    assert not kernels.available("attention") and not native_attention_applies(q, k, v, None)
     model = GPTForCausalLM(_config()).eval()
     ids = torch.randint(0, 96, (2, 150))
     with torch.no_grad():
@@ -372,7 +378,7 @@ def test_decoding_kernel_result_does_not_depend_on_the_thread_count():
 def test_decoding_kernel_applies_only_to_one_float32_query_against_cached_heads_of_64():
     query, key, value = _cached_step(2, 2, 30)
     mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
-    takes = ops_hfgpt._attention_kernel() is not None  # (a CPU without AVX-512: never)
+    takes = kernels.available("attention")  # (a CPU without AVX-512: never)
     assert ops_hfgpt.native_decode_attention_applies(query, key, value, None) == takes
     assert ops_hfgpt.native_decode_attention_applies(query, key, value, mask) == takes
     assert ops_hfgpt.native_decode_attention_applies(query, key, value, mask[:1]) == takes  # broadcast
@@ -390,8 +396,6 @@ def test_decoding_kernel_applies_only_to_one_float32_query_against_cached_heads_
         (query, key[:, :1], value[:, :1], None),  # fewer key and value heads
         (query, key.transpose(2, 3).contiguous().transpose(2, 3), value, None),  # strided rows
         (query, key, value, torch.ones(30, 2, dtype=torch.bool).t()[:, None, None, :]),  # strided mask row
-        (query, torch._neg_view(key), value, None),  # holds the negatives of its values
-        (query, key, torch._efficientzerotensor(key.shape), None),  # no memory
         (query.clone().requires_grad_(), key, value, None),  # autograd
         (*(t.to("meta") for t in (query, key, value)), None),  # no values to read
         (*(TwoTensor(t, t * 2) for t in (t.contiguous() for t in (query, key, value))), None),  # data_ptr() 0
@@ -403,11 +407,31 @@ def test_decoding_kernel_applies_only_to_one_float32_query_against_cached_heads_
 
 
 @needs_kernel
-def test_a_dispatch_mode_sees_sdpa_for_a_decoding_step():
+def test_a_dispatch_mode_sees_the_decoding_kernel_as_one_operator():
     query, key, value = _cached_step(1, 2, 30)
-    assert ops_hfgpt.native_decode_attention_applies(query, key, value, None)
-    with OpRecorder():
-        assert not ops_hfgpt.native_decode_attention_applies(query, key, value, None)
+    with OpRecorder() as recorder:
+        assert ops_hfgpt.native_decode_attention_applies(query, key, value, None)
+        got = ops_hfgpt.native_decode_attention(torch.nn.Module(), query, key, value, None, scaling=0.125)[0]
+    assert torch.ops.hfgpt.decode_attention.default in recorder.ops
+    torch.testing.assert_close(got.double(), _sdpa64(query, key, value, None, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_the_decoding_kernel_reads_negated_views_and_zero_tensors_as_their_values():
+    """torch's dispatcher hands the kernel's operator the values of a negated view and of a zero tensor
+    (which has no memory of its own)."""
+    query, key, value = _cached_step(2, 2, 30)
+    zeros = torch._efficientzerotensor(value.shape)
+    assert ops_hfgpt.native_decode_attention_applies(query, torch._neg_view(key), zeros, None)
+    got = ops_hfgpt.native_decode_attention(
+        torch.nn.Module(), query, torch._neg_view(key), zeros, None, 0.125
+    )
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    got = ops_hfgpt.native_decode_attention(
+        torch.nn.Module(), query, torch._neg_view(key), value, None, 0.125
+    )
+    want = _sdpa64(query, -key, value, None, 0.125)
+    torch.testing.assert_close(got[0].double(), want, atol=1e-5, rtol=1e-5)
 
 
 # --- training: attention with dropout, forward and backward on the kernel ------------------------------
@@ -498,9 +522,9 @@ def test_training_step_with_the_kernel_equals_the_step_without_it(
 
 
 @needs_kernel
-def test_a_dispatch_mode_entered_after_the_kernels_forward_sees_torchs_backward(kernel_calls):
-    """Only the forward ran on the kernel: a mode around the backward (FlopCounterMode's place) sees
-    torch's products, which compute the kernel's gradients from its saved probabilities and masks."""
+def test_a_dispatch_mode_entered_after_the_kernels_forward_sees_its_backward(kernel_calls):
+    """A mode around the backward (FlopCounterMode's place) sees the kernel's backward as one operator
+    (`torch.ops.hfgpt.attention_train_backward`), with the same gradients."""
     qkv = torch.randn(1, 150, 3, 2, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     upstream = torch.randn(1, 150, 2, 64)
@@ -510,8 +534,8 @@ def test_a_dispatch_mode_entered_after_the_kernels_forward_sees_torchs_backward(
         out, _ = ops_hfgpt.cpu_dropout_attention(torch.nn.Module(), q, k, v, None, scaling=0.125, dropout=0.1)
         with mode() as recorder:
             grads.append(torch.autograd.grad(out, qkv, upstream)[0])
-    assert kernel_calls == ["forward", "backward", "forward"]
-    assert torch.ops.aten.bmm.default in recorder.ops
+    assert kernel_calls == ["forward", "backward"] * 2
+    assert torch.ops.hfgpt.attention_train_backward.default in recorder.ops
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
 
 

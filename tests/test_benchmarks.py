@@ -326,35 +326,32 @@ def test_step_breakdown_times_both_steps_op_by_op_and_counts_their_products(tmp_
 
 
 def test_step_breakdown_times_hfgpts_c_kernels_as_ops_of_their_own():
-    """hfgpt's C kernels run through ctypes, unseen by the dispatch mode: the breakdown times the attention
-    kernel's and the GELU's forward and backward, the keep-mask draws and the LM loss's two kernels as ops
-    (a GPT-2-shaped layer with heads of 64 at 128 positions: dropout draws once on the embeddings, and in
-    the layer once per band of 64 query rows and twice on the residual branch; a vocabulary of 1,000 is
-    one block of the log-sum-exp and one slice of the softmax gradient)."""
+    """hfgpt's C kernels are torch operators, which the dispatch mode times as ops of their own: the
+    attention kernel's and the GELU's forward and backward, the keep-mask draws and the LM loss's two
+    kernels (a GPT-2-shaped layer with heads of 64 at 128 positions: dropout draws once on the embeddings,
+    and in the layer once per band of 64 query rows and twice on the residual branch; a vocabulary of 1,000
+    is one block of the log-sum-exp and one slice of the softmax gradient)."""
     import step_breakdown
 
-    from hfgpt.cpu import ops as ops_hfgpt
+    from hfgpt.cpu import kernels
 
-    if ops_hfgpt._attention_kernel() is None:
+    if not kernels.available("attention"):
         pytest.skip("no C compiler or no AVX-512: the attention kernel is not built here")
     overrides = dict(n_embd=128, n_layer=1, n_head=2, vocab_size=1000, n_positions=128)
     model = bench_model.build_ours("gpt2", overrides, "cpu")
     step = bench_model.make_train_step(model, torch.randint(0, 1000, (1, 128)))
-    getters = {name: getattr(ops_hfgpt, name) for name in step_breakdown.NATIVE_KERNEL_GETTERS}
     result = step_breakdown.breakdown(step, warmup=0, plain=1, measured=1)
-    calls = {op["op"]: op["calls"] for op in result["ops"] if op["op"].startswith("hfgpt C kernel")}
+    calls = {op["op"]: op["calls"] for op in result["ops"] if op["op"].startswith("hfgpt.")}
     assert calls == {
-        "hfgpt C kernel hfgpt_attention_train_forward": 1,
-        "hfgpt C kernel hfgpt_attention_train_backward": 1,
-        "hfgpt C kernel hfgpt_keep_mask": 1 + 2 + 2,
-        "hfgpt C kernel hfgpt_gelu_forward": 1,
-        "hfgpt C kernel hfgpt_gelu_backward": 1,
-        "hfgpt C kernel hfgpt_lse_block": 1,
-        "hfgpt C kernel hfgpt_softmax_grad": 1,
+        "hfgpt.attention_train_forward.default": 1,
+        "hfgpt.attention_train_backward.default": 1,
+        "hfgpt.keep_mask.default": 1 + 2 + 2,
+        "hfgpt.gelu_tanh.default": 1,
+        "hfgpt.gelu_tanh_backward.default": 1,
+        "hfgpt.lse_block.default": 1,
+        "hfgpt.softmax_grad.default": 1,
     }
     assert all(op["seconds"] > 0 for op in result["ops"] if op["op"] in calls)
-    for name, getter in getters.items():  # restored after the steps
-        assert getattr(ops_hfgpt, name) is getter
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,14 @@ import shutil
 
 import pytest
 import torch
-from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
+from kernel_testing import (  # tests/ is on sys.path
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    without_kernel,
+)
 from test_int8_kernel import portable_library  # tests/ is on sys.path
 from test_performance import OpRecorder
 
-from hfgpt.cpu import native
+from hfgpt.cpu import kernels, native
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import keep_mask
 
@@ -46,7 +49,7 @@ def drawn_seed(torch_seed: int) -> int:
 
 
 def torch_ops_only(monkeypatch) -> None:
-    monkeypatch.setattr(ops_hfgpt, "_dropout_kernel", lambda: None)
+    without_kernel(monkeypatch, "dropout")
 
 
 @pytest.mark.parametrize("path", ["C", "torch"])
@@ -55,7 +58,7 @@ def test_keep_mask_is_splitmix64_of_a_seed_from_torchs_generator(path, n, p, tor
     if path == "C":
         if shutil.which(os.environ.get("CC", "cc")) is None:
             pytest.skip("the dropout kernel needs a C compiler")
-        assert ops_hfgpt._dropout_kernel() is not None
+        assert kernels.available("dropout")
     else:
         torch_ops_only(monkeypatch)
     expected = splitmix64_keep(n, drawn_seed(torch_seed), p)
@@ -122,9 +125,9 @@ def test_successive_masks_differ_and_the_seed_repeats_them():
 
 
 @needs_compiler
-def test_keep_mask_runs_torchs_ops_under_a_dispatch_mode():
-    """A torch dispatch mode (make_fx, FakeTensorMode) cannot see a ctypes call: keep_mask computes the
-    same bits with torch's ops there, which the mode records."""
+def test_a_dispatch_mode_sees_the_c_generator_as_one_operator():
+    """The C generator is a torch operator (`torch.ops.hfgpt.keep_mask`): a torch dispatch mode (make_fx,
+    FlopCounterMode, a profiler's timer) records it as one op, and it computes the same bits there."""
 
     torch.manual_seed(2)
     plain = keep_mask((70_000,), 0.1, CPU)
@@ -132,12 +135,13 @@ def test_keep_mask_runs_torchs_ops_under_a_dispatch_mode():
     with OpRecorder() as recorder:
         recorded = keep_mask((70_000,), 0.1, CPU)
     assert torch.equal(recorded, plain)
-    assert torch.ops.aten.mul_.Tensor in recorder.ops  # SplitMix64's products, by torch
+    assert torch.ops.hfgpt.keep_mask.default in recorder.ops
+    assert torch.ops.aten.mul_.Tensor not in recorder.ops  # (SplitMix64's products in torch's ops)
 
 
 @needs_compiler
 def test_the_c_generator_refuses_a_thread_count_below_one():
-    library = ops_hfgpt._dropout_kernel()
+    library = native.kernel("dropout")
     keep = torch.empty(10, dtype=torch.bool)
     assert library.hfgpt_keep_mask(keep.data_ptr(), 10, 1, 0, 0) == 2
     assert library.hfgpt_keep_mask(keep.data_ptr(), -1, 1, 0, 1) == 2
@@ -148,7 +152,7 @@ def test_hfgpt_native_0_gives_the_same_masks(monkeypatch):
     default = keep_mask((5, 3000), 0.25, CPU)
     monkeypatch.setenv("HFGPT_NATIVE", "0")
     native.kernel.cache_clear()
-    assert ops_hfgpt._dropout_kernel() is None
+    assert not kernels.available("dropout")
     torch.manual_seed(6)
     assert torch.equal(keep_mask((5, 3000), 0.25, CPU), default)
 

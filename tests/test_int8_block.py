@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfgpt.cpu import native
+from hfgpt.cpu import kernels, native
 from hfgpt.cpu.quantization import Int8Block, Int8Linear, _kernel_layer, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
@@ -44,19 +44,19 @@ def copies(family: str, **overrides) -> tuple[GPTForCausalLM, GPTForCausalLM]:
 def fused_calls(monkeypatch) -> list[bool]:
     """Whether each block call took the fused path."""
     calls = []
-    choose = Int8Block.fused_library
+    choose = Int8Block.fuses
 
     def recorded(self, hidden_states):
-        library = choose(self, hidden_states)
-        calls.append(library is not None)
-        return library
+        fused = choose(self, hidden_states)
+        calls.append(fused)
+        return fused
 
-    monkeypatch.setattr(Int8Block, "fused_library", recorded)
+    monkeypatch.setattr(Int8Block, "fuses", recorded)
     return calls
 
 
 def unfused(monkeypatch) -> None:
-    monkeypatch.setattr(Int8Block, "fused_library", lambda self, hidden_states: None)
+    monkeypatch.setattr(Int8Block, "fuses", lambda self, hidden_states: False)
 
 
 def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,18 +152,10 @@ def test_norm_linear_is_the_layer_norm_then_the_int8_product(rows, width, fused_
     layer = Int8Linear.from_float(torch.randn(96, width) * 0.1, torch.randn(96))
     x = torch.randn(rows, width) * 3 + 1
     weight, bias = torch.randn(width), torch.randn(width)
-    out = torch.empty(rows, 96)
-    status = fused_kernel.hfgpt_int8_norm_linear(
-        x.data_ptr(), rows, width, weight.data_ptr(), bias.data_ptr(), 1e-5,
-        *_kernel_layer(layer, out=True), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    assert status == 0
+    out = kernels.int8_norm_linear(x[None], weight, bias, 1e-5, *_kernel_layer(layer))[0]
     with torch.no_grad():
         expected = layer(F.layer_norm(x, (width,), weight, bias, 1e-5))
     torch.testing.assert_close(out, expected, **CLOSE)
-    status = fused_kernel.hfgpt_int8_norm_linear(
-        x.data_ptr(), rows, width, None, None, 1e-5, *_kernel_layer(layer, out=True), out.data_ptr(), 1
-    )
-    assert status == 0
+    out = kernels.int8_norm_linear(x[None], None, None, 1e-5, *_kernel_layer(layer))[0]
     with torch.no_grad():
         assert torch.equal(out, layer(x))  # no layer norm: exactly Int8Linear's product

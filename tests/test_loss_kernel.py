@@ -10,11 +10,12 @@ from kernel_testing import (  # tests/ is on sys.path
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
     record_kernel_calls,
 )
+from kernel_testing import without_kernel as without
 from test_attention_kernel import needs_kernel
 from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
-from hfgpt.cpu import native
+from hfgpt.cpu import kernels, native
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
@@ -33,27 +34,22 @@ def _onednn():
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[str]:
     """The names of the kernel's entry points as they are called (and still run)."""
-    return record_kernel_calls(monkeypatch, "_loss_kernel")
+    return record_kernel_calls(monkeypatch, "loss")
 
 
 def without_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(ops_hfgpt, "_loss_kernel", lambda *tensors: None)
+    without(monkeypatch, "loss")
 
 
-def lse_by_blocks(library, x: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`hfgpt_lse_block` over `x` a block of `columns` at a time, as `onednn_logits_and_lse` calls it:
-    (the copy it writes, the log-sum-exp)."""
+def lse_by_blocks(x: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.ops.hfgpt.lse_block` over `x` a block of `columns` at a time, as `onednn_logits_and_lse`
+    calls it: (the copy it writes, the log-sum-exp)."""
     rows, width = x.shape
     out, peak = torch.full_like(x, 7.0), torch.full((rows,), float("-inf"))
     total = torch.zeros(rows, dtype=torch.float64)
     for start in range(0, width, columns):
         part = x[:, start : start + columns].contiguous()
-        cols = part.shape[1]
-        status = library.hfgpt_lse_block(
-            part.data_ptr(), cols, out[:, start:].data_ptr(), width, rows, cols, peak.data_ptr(),
-            total.data_ptr(), 2,
-        )  # fmt: skip
-        assert status == 0
+        kernels.lse_block(part, out[:, start : start + part.shape[1]], peak, total)
     return out, (total.log() + peak.masked_fill(~peak.isfinite(), 0.0)).float()
 
 
@@ -75,9 +71,8 @@ def special_rows(width: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("columns", [16, 100, 2048])
 def test_lse_kernel_equals_torchs_logsumexp_infinities_and_nans_included(columns):
-    library = ops_hfgpt._loss_kernel(torch.zeros(1))
     x = special_rows(1003)
-    out, lse = lse_by_blocks(library, x, columns)
+    out, lse = lse_by_blocks(x, columns)
     torch.testing.assert_close(out, x, equal_nan=True, atol=0, rtol=0)  # the blocks copied where asked
     expected = torch.logsumexp(x.double(), dim=-1).float()
     torch.testing.assert_close(lse, expected, equal_nan=True, atol=1e-6, rtol=1e-6)
@@ -147,7 +142,7 @@ def test_head_backward_runs_the_softmax_kernel_with_torchs_gradients(
     torch.testing.assert_close(ours[0], expected_loss)
 
 
-def test_loss_kernel_steps_aside_under_bf16_autocast_a_dispatch_mode_and_hfgpt_native_0(
+def test_loss_kernel_steps_aside_in_bfloat16_and_for_hfgpt_native_0_and_a_dispatch_mode_sees_it(
     kernel_calls, monkeypatch
 ):
     torch.manual_seed(0)
@@ -156,14 +151,16 @@ def test_loss_kernel_steps_aside_under_bf16_autocast_a_dispatch_mode_and_hfgpt_n
     expected = head_loss_and_grads(hidden, weight, targets, row_weights)
     kernel_calls.clear()
     head_loss_and_grads(hidden, weight, targets, row_weights, dtype=torch.bfloat16)  # (as under autocast)
-    with OpRecorder() as recorder:
+    assert kernel_calls == []
+    with OpRecorder() as recorder:  # the kernels are torch operators: the mode sees each as one op
         got = head_loss_and_grads(hidden, weight, targets, row_weights)
-    assert kernel_calls == [] and torch.ops.aten.exp_.default in recorder.ops
+    assert torch.ops.hfgpt.lse_block.default in recorder.ops
+    assert torch.ops.hfgpt.softmax_grad.default in recorder.ops
     for value, want in zip(got, expected, strict=True):
         torch.testing.assert_close(value, want, atol=1e-6, rtol=1e-5)
     monkeypatch.setenv("HFGPT_NATIVE", "0")
     native.kernel.cache_clear()
-    assert ops_hfgpt._loss_kernel(hidden) is None
+    assert not ops_hfgpt.kernel_runs("loss", hidden)
 
 
 def test_a_training_step_runs_the_loss_kernel_with_torchs_gradients(kernel_calls, monkeypatch):
@@ -188,4 +185,4 @@ def test_a_build_without_avx512_leaves_the_loss_to_torch(tmp_path, monkeypatch):
     assert library.hfgpt_lse_block(*args) == 3
     with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
         patch.setattr(native, "kernel", lambda name: library)
-        assert ops_hfgpt._loss_kernel(x) is None
+        assert not kernels.available("loss") and not ops_hfgpt.kernel_runs("loss", x)

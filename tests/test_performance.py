@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
+from hfgpt.cpu import kernels
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.layers import conv1d_forward
 from hfgpt.cpu.ops import (
@@ -99,10 +100,11 @@ def test_one_row_product_splits_the_weight_rows_between_threads(out, torch_threa
 @pytest.mark.parametrize("width", [48, 45])  # 45 rows do not divide between two threads: Conv1D's addmm
 def test_conv1d_at_one_row_splits_its_weight_rows_between_threads(width, torch_threads, kernel, monkeypatch):
     """Without the C kernel, torch's split applies where the rows divide evenly between the threads."""
-    if kernel and ops_hfgpt._row_product_kernel(torch.zeros(1)) is None:
+    if kernel and not kernels.available("row_product"):
         pytest.skip("no C compiler or no AVX-512: the row product kernel is not built here")
     if not kernel:
-        monkeypatch.setattr(ops_hfgpt, "_row_product_kernel", lambda *tensors: None)
+        available = kernels.available
+        monkeypatch.setattr(kernels, "available", lambda name: name != "row_product" and available(name))
     torch.manual_seed(0)
     out = 40
     theirs = Conv1D(out, width)

@@ -14,7 +14,7 @@ from test_int8_kernel import portable_library
 from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
 
-from hfgpt.cpu import native, quantization
+from hfgpt.cpu import kernels, native, quantization
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import one_row_conv1d, one_row_product
 from hfgpt.cpu.quantization import quantize_for_decoding
@@ -27,7 +27,7 @@ pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention ke
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[str]:
     """The names of the kernel's entry points as they are called (and still run)."""
-    return record_kernel_calls(monkeypatch, "_row_product_kernel")
+    return record_kernel_calls(monkeypatch, "row_product")
 
 
 def assert_as_close_as_torch(got: torch.Tensor, torchs: torch.Tensor, exact: torch.Tensor) -> None:
@@ -116,16 +116,19 @@ def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(fam
     assert isinstance(peer, GPT2LMHeadModel) == (family == "gpt2")
 
 
-def test_row_product_kernel_steps_aside_under_a_dispatch_mode_and_hfgpt_native_0(kernel_calls, monkeypatch):
+def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_it(kernel_calls, monkeypatch):
+    """The kernel is a torch operator (`torch.ops.hfgpt.row_product`): a dispatch mode records it as one op.
+    With `HFGPT_NATIVE=0` torch's split product runs instead."""
     x, weight = torch.randn(1, 48), torch.randn(40, 48)
     with torch.no_grad():
         with OpRecorder() as recorder:
             got = one_row_product(x, weight)
-        assert kernel_calls == [] and torch.ops.aten.bmm.default in recorder.ops
+        assert kernel_calls == ["hfgpt_row_product"] and torch.ops.hfgpt.row_product.default in recorder.ops
+        assert torch.ops.aten.bmm.default not in recorder.ops  # (torch's split product)
         torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
         monkeypatch.setenv("HFGPT_NATIVE", "0")
         native.kernel.cache_clear()
-        assert ops_hfgpt._row_product_kernel(x) is None
+        assert not ops_hfgpt.kernel_runs("row_product", x)
         torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
@@ -136,12 +139,12 @@ def test_a_build_without_avx512_leaves_the_row_products_to_torch(tmp_path, monke
     assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 4, 16, None, y.data_ptr(), 1) == 3
     with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
         patch.setattr(native, "kernel", lambda name: library)
-        assert ops_hfgpt._row_product_kernel(x) is None
+        assert not kernels.available("row_product") and not kernels.row_product_bf16_available()
+        assert not ops_hfgpt.kernel_runs("row_product", x)
 
 
 def bfloat16_kernel_available() -> bool:
-    library = ops_hfgpt._row_product_kernel(torch.zeros(1))
-    return library is not None and bool(library.hfgpt_row_product_bf16_available())
+    return kernels.row_product_bf16_available()
 
 
 def products(calls: list[str]) -> list[str]:
