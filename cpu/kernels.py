@@ -304,15 +304,7 @@ def attention_train_forward(
 
 
 @attention_train_forward.register_fake
-def _(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    keeps: list[Tensor],
-    probs: list[Tensor],
-    scaling: float,
-    p: float,
-) -> Tensor:
+def _(query: Tensor, *_: object) -> Tensor:
     batch, heads, length, dim = query.shape
     return query.new_empty(batch, length, heads, dim)
 
@@ -350,16 +342,7 @@ def attention_train_backward(
 
 
 @attention_train_backward.register_fake
-def _(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    grad_out: Tensor,
-    keeps: list[Tensor],
-    probs: list[Tensor],
-    scaling: float,
-    p: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _(query: Tensor, key: Tensor, value: Tensor, *_: object) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -583,15 +566,8 @@ def int8_norm_linear(
 
 
 @int8_norm_linear.register_fake
-def _(
-    x: Tensor,
-    norm_weight: Tensor | None,
-    norm_bias: Tensor | None,
-    eps: float,
-    packed: Tensor,
-    scale: Tensor,
-    bias: Tensor | None,
-) -> Tensor:
+def _(x: Tensor, *rest: object) -> Tensor:
+    scale = rest[4]  # (after the norm's weight and bias, eps and the packed weight)
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 
@@ -649,15 +625,7 @@ def int8_block_tail(
 
 
 @int8_block_tail.register_fake
-def _(
-    attention: Tensor,
-    hidden: Tensor,
-    pre_norm: bool,
-    norms: list[Tensor],
-    eps: float,
-    layers: list[Tensor],
-    biases: list[Tensor | None],
-) -> Tensor:
+def _(attention: Tensor, hidden: Tensor, *_: object) -> Tensor:
     return torch.empty_like(hidden)
 
 
