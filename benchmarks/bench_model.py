@@ -1033,6 +1033,7 @@ def run(
                     ("compile", compile_rows),
                 ):
                     if section in sections:
+                        torch.compiler.reset()  # (each section's compiled graphs start from a fresh cache)
                         start = time.perf_counter()
                         rows.extend(fn(ctx, family, ours, peer))
                         print(f"[{family} {section}: {time.perf_counter() - start:.0f}s]", file=sys.stderr)
