@@ -135,7 +135,8 @@ class GPTAttention(nn.Module):
         qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            # `kwargs`: continuous batching's paged cache writes the attention's arguments into them.
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -584,7 +585,8 @@ class GPTModel(GPTPreTrainedModel):
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past_seen = cache.get_seq_length() if cache is not None else 0
+        # (continuous batching's paged cache is no `Cache` and comes with position_ids)
+        past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
         checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
         if _values_readable(*checked):
             cache_batch = _cache_batch(cache) if past_seen else None

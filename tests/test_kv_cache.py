@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import GenerationConfig, GPT2LMHeadModel
 from transformers.cache_utils import DynamicCache
 
 from hfgpt.modeling import (
@@ -157,3 +157,21 @@ def test_the_cache_goes_by_the_installed_transformers_name(head):
             cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)[CACHE]
             assert torch.equal(model.generate(ids, **common, **{CACHE: cache}), expected)
         assert cache.get_seq_length() == 7 + 3
+
+
+@pytest.mark.slow
+def test_continuous_batching_gives_the_tokens_of_generate():
+    """generate_batch (continuous batching) hands the model a paged cache as `cache`, which the attention
+    fills through `cache.update(..., kwargs=...)` (since transformers 5.24; before, the attention function
+    did): each prompt gets the tokens that generate() gives it alone."""
+    from hfgpt.cpu import unkernelize  # continuous batching refuses the backend's attention
+
+    torch.manual_seed(0)
+    ours = unkernelize(GPTForCausalLM(GPTConfig(**TINY)).eval())
+    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 9, 3)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        results = ours.generate_batch(prompts, generation_config=config, warmup=False).values()
+        alone = [ours.generate(torch.tensor([p]), generation_config=config)[0, len(p) :] for p in prompts]
+    got = {tuple(result.prompt_ids): result.generated_tokens for result in results}
+    assert got == {tuple(p): tokens.tolist() for p, tokens in zip(prompts, alone, strict=True)}
