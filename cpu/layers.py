@@ -204,7 +204,7 @@ def _embed_for_tied_head(
 def causal_lm_forward(
     self: GPTForCausalLM,
     input_ids: torch.LongTensor | None = None,
-    past_key_values: Any = None,
+    cache: Any = None,
     attention_mask: torch.Tensor | None = None,
     token_type_ids: torch.LongTensor | None = None,
     position_ids: torch.LongTensor | None = None,
@@ -219,14 +219,14 @@ def causal_lm_forward(
     plain = functools.partial(GPTForCausalLM.forward, self)
     if labels is None or getattr(self, "_loss_function", None) is not None or logits_to_keep != 0:
         return plain(
-            input_ids, past_key_values, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds,
             labels, use_cache, logits_to_keep, **kwargs,
         )  # fmt: skip
     return_dict = kwargs.pop("return_dict", None)
     input_ids, inputs_embeds, tied = _embed_for_tied_head(self, input_ids, inputs_embeds)
     outputs: BaseModelOutputWithPast = self.transformer(
         input_ids,
-        past_key_values=past_key_values,
+        cache=cache,
         attention_mask=attention_mask,
         token_type_ids=token_type_ids,
         position_ids=position_ids,
@@ -241,7 +241,7 @@ def causal_lm_forward(
     output = CausalLMOutputWithPast(
         loss=loss,
         logits=logits,
-        past_key_values=outputs.past_key_values,
+        **modeling_hfgpt.cache_field(outputs),
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )

@@ -85,9 +85,17 @@ class GPTConfig(PretrainedConfig):
     """
 
     model_type = "hfgpt"
-    # Scalar loss terms: not predictions for Trainer to gather at evaluation ("loss" too, which Trainer
-    # keeps among the predictions when a batch lacks one of the label names, e.g. mc_labels alone).
-    keys_to_ignore_at_inference = ["past_key_values", "loss", "classification_loss", "lm_loss", "mc_loss"]
+    # The cache (`cache` since transformers 5.24, `past_key_values` before) and scalar loss terms: not
+    # predictions for Trainer to gather at evaluation ("loss" too, which Trainer keeps among the predictions
+    # when a batch lacks one of the label names, e.g. mc_labels alone).
+    keys_to_ignore_at_inference = [
+        "cache",
+        "past_key_values",
+        "loss",
+        "classification_loss",
+        "lm_loss",
+        "mc_loss",
+    ]
     attribute_map = {
         "hidden_size": "n_embd",
         "max_position_embeddings": "n_positions",

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,15 +33,42 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     QuestionAnsweringModelOutput,
+    SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2.modeling_gpt2 import GPT2DoubleHeadsModelOutput
 from transformers.pytorch_utils import Conv1D
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_hfgpt import GPTConfig
+
+logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the key-value cache from `past_key_values` to `cache`: the models' argument, the
+# field of their outputs (BaseModelOutputWithPast, ...), and what generate() passes and reads. The models here
+# take `cache` (and, through `_cache_argument`, `past_key_values`) and return the installed version's field.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def cache_field(outputs: ModelOutput) -> dict[str, Cache | None]:
+    """The cache `outputs` carry, as the keyword argument of another output: `{CACHE_FIELD: cache}`."""
+    return {CACHE_FIELD: getattr(outputs, CACHE_FIELD)}
+
+
+def _cache_argument(cache: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
+    """`cache`, or the cache passed by its name before transformers 5.24, `past_key_values` (taken out of
+    `kwargs`), which transformers 5.23's generate() passes; deprecated where transformers has moved on."""
+    old = kwargs.pop("past_key_values", None)
+    if old is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its name before 5.24).")
+    if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
+        logger.warning_once("`past_key_values` is deprecated since transformers 5.24: pass `cache`.")
+    return old
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -101,14 +128,15 @@ class GPTAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,  # (B, T, E)
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len, _ = hidden_states.shape
         qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            # `kwargs`: continuous batching's paged cache writes the attention's arguments into them.
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -159,16 +187,16 @@ class GPTBlock(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if self.pre_norm:
             # GPT-2 model.py `block`: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))
-            attn_out, _ = self.attn(self.ln_1(hidden_states), attention_mask, past_key_values, **kwargs)
+            attn_out, _ = self.attn(self.ln_1(hidden_states), attention_mask, cache, **kwargs)
             hidden_states = hidden_states + attn_out
             return hidden_states + self.mlp(self.ln_2(hidden_states))
         # GPT-1 train.py `block`: n = ln_1(x + attn(x)); h = ln_2(n + mlp(n))
-        attn_out, _ = self.attn(hidden_states, attention_mask, past_key_values, **kwargs)
+        attn_out, _ = self.attn(hidden_states, attention_mask, cache, **kwargs)
         normed = self.ln_1(hidden_states + attn_out)
         return self.ln_2(normed + self.mlp(normed))
 
@@ -274,7 +302,7 @@ class GPTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["GPTBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the cache by either name (`CACHE_FIELD`)
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -510,7 +538,7 @@ class GPTModel(GPTPreTrainedModel):
             )
         if cache_batch not in (None, batch):
             raise ValueError(
-                f"past_key_values holds {cache_batch} sequences, but the input has {batch}: pass the cache "
+                f"The cache holds {cache_batch} sequences, but the input has {batch}: pass the cache "
                 "of these sequences (or reorder/repeat it first)"
             )
 
@@ -529,7 +557,7 @@ class GPTModel(GPTPreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -537,6 +565,7 @@ class GPTModel(GPTPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        cache = _cache_argument(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         # Leading dimensions beyond the batch (e.g. (B, choices, T) for multiple choice) are flattened.
@@ -554,12 +583,13 @@ class GPTModel(GPTPreTrainedModel):
         if attention_mask is not None and attention_mask.ndim == len(input_shape) and len(input_shape) > 2:
             attention_mask = attention_mask.reshape(batch, -1)
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        # (continuous batching's paged cache is no `Cache` and comes with position_ids)
+        past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
         checked = [t for t in (input_ids, position_ids, token_type_ids) if t is not None]
         if _values_readable(*checked):
-            cache_batch = _cache_batch(past_key_values) if past_seen else None
+            cache_batch = _cache_batch(cache) if past_seen else None
             self._check_inputs(
                 input_ids,
                 attention_mask,
@@ -581,27 +611,22 @@ class GPTModel(GPTPreTrainedModel):
             hidden_states = hidden_states + self.wte(token_type_ids.reshape(-1, seq_len))
         hidden_states = self.drop(hidden_states)  # (B, T, E)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        # Positional: the cache argument is `past_key_values` before transformers 5.24.
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+        # A checkpointed block runs again in the backward pass and would fill the cache twice: it gets none, as
+        # in GPT2Model (transformers' GradientCheckpointingLayer drops a cache passed by its keyword, which
+        # 5.24 renamed). Without gradients nothing runs again.
+        recomputed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        block_cache = None if recomputed else cache
         for block in self.h:
             hidden_states = block(
-                hidden_states,
-                causal_mask,
-                past_key_values=past_key_values,  # a keyword: gradient checkpointing drops it in recomputation
-                position_ids=position_ids,
-                **kwargs,
+                hidden_states, causal_mask, block_cache, position_ids=position_ids, **kwargs
             )
         if self.ln_f is not None:
             hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(*input_shape, hidden_states.shape[-1])
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            last_hidden_state=hidden_states, **{CACHE_FIELD: cache if use_cache else None}
         )
 
 
@@ -625,7 +650,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -639,7 +664,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         logits for the last k positions only (generate() asks for 1)."""
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -658,23 +683,18 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_field(outputs),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
 
 
 @dataclass
-class GPTSequenceClassifierOutput(ModelOutput):
-    """`loss` is L3 = L2 + lambda * L1 (GPT-1 §3.3); its two terms are reported separately."""
+class GPTSequenceClassifierOutput(SequenceClassifierOutputWithPast):
+    """`loss` is L3 = L2 + lambda * L1 (GPT-1 §3.3); its two terms are reported separately. The fields of
+    transformers' output come first (the cache under its installed name, `CACHE_FIELD`), so return_dict=False
+    tuples hold them where GPT-2 code indexes them."""
 
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    # Last, so that return_dict=False tuples hold transformers' SequenceClassifierOutputWithPast fields
-    # where GPT-2 code indexes them.
     classification_loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
 
@@ -704,7 +724,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -716,7 +736,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         auxiliary_lm = labels is not None and self.config.lm_loss_weight > 0 and input_ids is not None
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -747,7 +767,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
             logits=logits,
             classification_loss=classification_loss,
             lm_loss=lm_loss,
-            past_key_values=outputs.past_key_values,
+            **cache_field(outputs),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -778,19 +798,11 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
 
 
 @dataclass
-class GPTDoubleHeadsModelOutput(ModelOutput):
+class GPTDoubleHeadsModelOutput(GPT2DoubleHeadsModelOutput):
     """`loss` is the training objective: mc_loss + lambda * lm_loss when `mc_labels` are given
-    (GPT-1's L3), else lm_loss. `lm_loss` and `mc_loss` are also reported on their own."""
+    (GPT-1's L3), else lm_loss. `lm_loss` and `mc_loss` are also reported on their own. The fields of
+    transformers' output come first, as GPTSequenceClassifierOutput's."""
 
-    loss: torch.Tensor | None = None
-    mc_loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    mc_logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    # Last, so that return_dict=False tuples hold transformers' GPT2DoubleHeadsModelOutput fields where
-    # GPT-2 code indexes them.
     lm_loss: torch.Tensor | None = None
 
 
@@ -813,7 +825,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -834,7 +846,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
         )
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -870,7 +882,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
             lm_loss=lm_loss,
             logits=lm_logits,
             mc_logits=mc_logits,
-            past_key_values=outputs.past_key_values,
+            **cache_field(outputs),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -891,7 +903,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -902,7 +914,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
     ) -> TokenClassifierOutput:
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,

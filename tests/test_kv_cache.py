@@ -1,18 +1,30 @@
 """Generation through transformers' `DynamicCache`: greedy, assisted (the cache cropped), left-padded past
-the context's columns, and a prompt cache reused across calls, all with transformers' tokens."""
+the context's columns, and a prompt cache reused across calls, all with transformers' tokens; the cache by
+the installed transformers' name."""
 
 import copy
+import inspect
 
 import pytest
 import torch
+from transformers import GenerationConfig, GPT2LMHeadModel
 from transformers.cache_utils import DynamicCache
 
-from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling import (
+    GPTConfig,
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForSequenceClassification,
+    GPTModel,
+)
 from hfgpt.modeling.interop import to_transformers
 
 TINY = dict(
     vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
 )
+# The cache's keyword and output field in the installed transformers, read from its own GPT-2: transformers
+# 5.24 renamed `past_key_values` to `cache`, and its generate() passes and reads the new name.
+CACHE = "cache" if "cache" in inspect.signature(GPT2LMHeadModel.forward).parameters else "past_key_values"
 
 
 def states(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,16 +107,14 @@ def test_a_prompt_cache_reused_across_generate_calls_gives_the_tokens_of_a_fresh
     prompt = torch.randint(1, 96, (1, 10))
     common = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        cache = ours(prompt, attention_mask=torch.ones_like(prompt), use_cache=True).past_key_values
+        cache = ours(prompt, attention_mask=torch.ones_like(prompt), use_cache=True)[CACHE]
         for seed in range(3):
             suffix = torch.randint(1, 96, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
             ids = torch.cat([prompt, suffix], 1)
             mask = torch.ones_like(ids)
             expected = reference.generate(ids, attention_mask=mask, **common, **no_cache)
             copied = copy.deepcopy(cache) if seed < 2 else cache
-            assert torch.equal(
-                ours.generate(ids, attention_mask=mask, past_key_values=copied, **common), expected
-            )
+            assert torch.equal(ours.generate(ids, attention_mask=mask, **{CACHE: copied}, **common), expected)
             assert copied.get_seq_length() == ids.shape[1] + 11 and (
                 seed == 2 or cache.get_seq_length() == 10
             )
@@ -112,4 +122,56 @@ def test_a_prompt_cache_reused_across_generate_calls_gives_the_tokens_of_a_fresh
         ids = torch.cat([prompt, torch.randint(1, 96, (1, 4))], 1)
         mask = torch.ones_like(ids)
         expected = reference.generate(ids, attention_mask=mask, **common, **no_cache)
-        assert torch.equal(ours.generate(ids, attention_mask=mask, past_key_values=cache, **common), expected)
+        assert torch.equal(ours.generate(ids, attention_mask=mask, **{CACHE: cache}, **common), expected)
+
+
+@pytest.mark.parametrize(
+    "head", [GPTModel, GPTForCausalLM, GPTForSequenceClassification, GPTDoubleHeadsModel]
+)
+def test_the_cache_goes_by_the_installed_transformers_name(head):
+    """Every head that returns a cache (as its transformers GPT-2 class does) takes it by the installed
+    transformers' keyword and returns it in the output field of that name (where generate() reads it), with
+    the outputs of a full forward; generate() continues a prompt's cache passed by that name, with a mask,
+    to the tokens of a fresh start."""
+    torch.manual_seed(0)
+    config = GPTConfig(**TINY, pad_token_id=0)
+    model = head(config).eval()
+    ids = torch.randint(1, 96, (2, 7))
+    mask = torch.ones_like(ids)
+    if head is GPTDoubleHeadsModel:
+        ids, mask = ids[None], mask[None]  # one example of two choices
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+        prefix = model(ids[..., :6], attention_mask=mask[..., :6], use_cache=True)
+        cache = prefix[CACHE]
+        assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 6
+        step = model(ids[..., 6:], attention_mask=mask, use_cache=True, **{CACHE: cache})
+    assert step[CACHE] is cache and getattr(step, CACHE) is cache and cache.get_seq_length() == 7
+    # The first field: the hidden states or logits (per position, but per sequence for classification).
+    last = (lambda t: t) if head is GPTForSequenceClassification else (lambda t: t[..., -1, :])
+    torch.testing.assert_close(last(step[0]), last(full[0]), atol=1e-5, rtol=1e-5)
+    if head is GPTForCausalLM:
+        common = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            expected = model.generate(ids, **common)
+            cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)[CACHE]
+            assert torch.equal(model.generate(ids, **common, **{CACHE: cache}), expected)
+        assert cache.get_seq_length() == 7 + 3
+
+
+@pytest.mark.slow
+def test_continuous_batching_gives_the_tokens_of_generate():
+    """generate_batch (continuous batching) hands the model a paged cache as `cache`, which the attention
+    fills through `cache.update(..., kwargs=...)` (since transformers 5.24; before, the attention function
+    did): each prompt gets the tokens that generate() gives it alone."""
+    from hfgpt.cpu import unkernelize  # continuous batching refuses the backend's attention
+
+    torch.manual_seed(0)
+    ours = unkernelize(GPTForCausalLM(GPTConfig(**TINY)).eval())
+    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 9, 3)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        results = ours.generate_batch(prompts, generation_config=config, warmup=False).values()
+        alone = [ours.generate(torch.tensor([p]), generation_config=config)[0, len(p) :] for p in prompts]
+    got = {tuple(result.prompt_ids): result.generated_tokens for result in results}
+    assert got == {tuple(p): tokens.tolist() for p, tokens in zip(prompts, alone, strict=True)}

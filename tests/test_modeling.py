@@ -31,7 +31,7 @@ from hfgpt.modeling import (
     GPTModel,
 )
 from hfgpt.modeling.interop import from_transformers, to_transformers
-from hfgpt.modeling.modeling_hfgpt import GPTSequenceSummary
+from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTSequenceSummary
 
 MODELING_DIR = Path(__file__).parent.parent / "modeling"
 
@@ -206,17 +206,17 @@ def test_incremental_decoding_equals_full_forward(norm):
     with torch.no_grad():
         full = ours(ids, attention_mask=mask, position_ids=position_ids).logits
         out = ours(ids[:, :6], attention_mask=mask[:, :6], position_ids=position_ids[:, :6], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], out[CACHE_FIELD]
         for t in range(6, 14):
             out = ours(
                 ids[:, t : t + 1],
                 attention_mask=mask[:, : t + 1],
                 position_ids=position_ids[:, t : t + 1],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
             steps.append(out.logits)
-            cache = out.past_key_values
+            cache = out[CACHE_FIELD]
     incremental = torch.cat(steps, dim=1)
     real = mask.bool()
     torch.testing.assert_close(incremental[real], full[real], atol=1e-5, rtol=1e-5)
@@ -703,7 +703,8 @@ def test_gradient_checkpointing_leaves_a_passed_cache_alone():
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cache = DynamicCache(config=model.config)
-        model(ids, labels=ids, past_key_values=cache, use_cache=True).loss.backward()  # recomputes each block
+        # (the cache by transformers' installed name, which GPT2LMHeadModel takes)
+        model(ids, labels=ids, **{CACHE_FIELD: cache}, use_cache=True).loss.backward()  # recomputes blocks
         lengths.append(cache.get_seq_length())
     assert lengths[1] == lengths[0] == 0
 
@@ -826,9 +827,9 @@ def test_torch_jit_trace_with_its_checks():
 
 def test_cache_of_another_batch_size_is_refused():
     _, ours = make_pair(GPTForCausalLM, "pre")
-    cache = ours(random_ids(1, 4), use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="past_key_values holds 1 sequences, but the input has 2"):
-        ours(random_ids(2, 1), past_key_values=cache)
+    cache = ours(random_ids(1, 4), use_cache=True)[CACHE_FIELD]
+    with pytest.raises(ValueError, match="The cache holds 1 sequences, but the input has 2"):
+        ours(random_ids(2, 1), cache=cache)
 
 
 def test_trainer_predict_gives_logits_first_for_multiple_choice(tmp_path):
