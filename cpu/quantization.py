@@ -333,17 +333,17 @@ class Int8Block(GPTBlock):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if not self.fuses(hidden_states):
-            return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
+            return super().forward(hidden_states, attention_mask, cache, **kwargs)
         attn, _, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = self._parts()
         batch, seq_len, width = hidden_states.shape
         h = hidden_states.contiguous()
         norm = (ln_1.weight, ln_1.bias) if self.pre_norm else (None, None)
         qkv = kernels.int8_norm_linear(h, *norm, ln_1.eps, *_kernel_layer(c_attn))
-        output = _attend(attn, qkv, attention_mask, past_key_values, **kwargs)
+        output = _attend(attn, qkv, attention_mask, cache, **kwargs)
         output = output.reshape(batch * seq_len, width).contiguous()  # (B*T, E)
         layers = (c_proj, c_fc, mlp_proj)
         return kernels.int8_block_tail(
@@ -358,15 +358,15 @@ class Int8Block(GPTBlock):
 
 
 def _attend(
-    attn: nn.Module, qkv: torch.Tensor, attention_mask: Any, past_key_values: Any, **kwargs: Any
+    attn: nn.Module, qkv: torch.Tensor, attention_mask: Any, cache: Any, **kwargs: Any
 ) -> torch.Tensor:
     """What `GPTAttention.forward` computes between its c_attn and c_proj, from c_attn's (B, T, 3E) output:
     the new keys and values into the cache, then the model's attention. Returns the (B, T, H, D) output."""
     batch, seq_len, _ = qkv.shape
     qkv = qkv.view(batch, seq_len, 3, attn.num_heads, attn.head_dim)
     query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, attn.layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(
         attn.config._attn_implementation, eager_attention_forward
     )
