@@ -159,6 +159,24 @@ def test_the_cache_goes_by_the_installed_transformers_name(head):
         assert cache.get_seq_length() == 7 + 3
 
 
+def test_the_cache_by_its_name_before_transformers_5_24_still_works():
+    """`past_key_values=` (what transformers 5.23's generate() passes, and code written for it) is the same
+    cache as `cache=`; both at once are refused."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    ids = torch.randint(0, 96, (2, 7))
+    logits = []
+    with torch.no_grad():
+        for name in ("cache", "past_key_values"):
+            cache = model(ids[:, :6], use_cache=True)[CACHE]
+            out = model(ids[:, 6:], use_cache=True, **{name: cache})
+            assert out[CACHE] is cache and cache.get_seq_length() == 7, name
+            logits.append(out.logits)
+        with pytest.raises(ValueError, match="Pass the cache once, as `cache`"):
+            model(ids[:, 6:], cache=cache, past_key_values=cache)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.slow
 def test_continuous_batching_gives_the_tokens_of_generate():
     """generate_batch (continuous batching) hands the model a paged cache as `cache`, which the attention
