@@ -204,9 +204,9 @@ def onednn_bfloat16_runs() -> bool:
 def avx512_cpu() -> bool:
     """Whether torch runs its CPU kernels with AVX-512 here (`torch.backends.cpu.get_cpu_capability()`,
     which `ATEN_CPU_CAPABILITY` can lower): the CPUs on which hfgpt's oneDNN products
-    (`onednn_products_apply`) were measured faster than the plain model's MKL products at every size
-    (benchmarks/RESULTS.md). On CPUs where torch's kernels stop at AVX2 they were measured slower at
-    prefill and training sizes, and step aside there."""
+    (`onednn_products_apply`) and banded attention (`banded_attention_applies`) were measured faster than
+    the plain model's MKL products and sdpa (benchmarks/RESULTS.md). On CPUs where torch's kernels stop
+    at AVX2 both were measured slower at prefill sizes, and step aside there."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
@@ -748,7 +748,9 @@ def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_m
     """Whether `cpu_banded_attention` stands in for sdpa: causal self-attention over 128-767 positions
     (no cached keys; no mask, or a boolean one that attends to no later position) in float32 or
     bfloat16 (a bfloat16 model, or inside autocast) on the CPU, without autograd, outside compiled
-    graphs."""
+    graphs, where torch's kernels run AVX-512 (`avx512_cpu`). Where they stop at AVX2, torch's flash
+    kernel computes the whole causal square faster than the bands' several calls, each a parallel region
+    of its own, so sdpa keeps it there."""
     length = query.shape[-2]
     return (
         key.shape[-2] == length
@@ -757,6 +759,7 @@ def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_m
         and query.device.type == "cpu"
         and not query.requires_grad
         and not torch.compiler.is_compiling()
+        and avx512_cpu()
         and (attention_mask is None or attends_to_no_later_position(attention_mask))
     )
 
