@@ -1,4 +1,5 @@
-"""hfgpt with its float32 CPU products through oneDNN (the default) against the same model through MKL's
+"""hfgpt with its float32 CPU products through oneDNN at every size (`use_onednn_products(True)`; the
+default runs them there only where oneDNN is the faster on the CPU) against the same model through MKL's
 `addmm` (`use_onednn_products(False)`, the products transformers' `Conv1D` runs), interleaved in one
 process: prefill, greedy decoding and a training step of GPT-2 124M shapes (random weights).
 

@@ -850,7 +850,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("keep_freed"):
         keep_freed_memory()
-    ops_hfgpt.use_onednn_products(spec.get("onednn", True))
+    ops_hfgpt.use_onednn_products(spec.get("onednn"))
     rss_after_imports = _reset_peak_rss()
     config = our_config(family, profile["model_overrides"])
     torch.manual_seed(0)
@@ -970,7 +970,7 @@ class Context:
     hardware: dict[str, float]
     tiny: bool
     keep_freed: bool = False
-    onednn: bool = True
+    onednn: bool | None = None
     peers: tuple[str, ...] = ()
     bfloat16: bool = True  # the bfloat16 rows: where `bfloat16_native`
 
@@ -983,18 +983,18 @@ def run(
     repeats: int | None = None,
     threads: int | None = None,
     keep_freed: bool = False,
-    onednn: bool = True,
+    onednn: bool | None = None,
     peers: tuple[str, ...] = PEERS,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (what `--json` writes). `keep_freed` applies
     `keep_freed_memory()` (the training command lines' default) to this process and the memory workers:
-    it acts on both contenders alike. `onednn=False` runs hfgpt's float32 CPU products through MKL's
-    `addmm`, as transformers' run (`use_onednn_products(False)`). `peers` are the other routes to speed
-    timed beside hfgpt (`PEERS`)."""
+    it acts on both contenders alike. `onednn` is hfgpt's `use_onednn_products` for the run: None (its
+    default) where oneDNN is the faster on this CPU, False through MKL's `addmm`, as transformers' run.
+    `peers` are the other routes to speed timed beside hfgpt (`PEERS`)."""
     hf_logging.set_verbosity_error()
     started = datetime.datetime.now(datetime.timezone.utc)
-    # The setting for this run only; `onednn` becomes what hfgpt's products run on.
-    with ops_hfgpt.onednn_products(onednn) as onednn:
+    # The setting for this run only.
+    with ops_hfgpt.onednn_products(onednn) as runs_onednn:
         if keep_freed and not keep_freed_memory():
             raise RuntimeError("--keep-freed-memory needs glibc's mallopt (Linux)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1055,7 +1055,7 @@ def run(
             "machine": {
                 **machine_info(device),
                 "keep_freed_memory": keep_freed,
-                "hfgpt_cpu_products": "onednn" if onednn else "mkl",
+                "hfgpt_cpu_products": cpu_products_label(onednn if runs_onednn else False),
             },
             "profile": profile_name,
             "hardware": hardware,
@@ -1073,6 +1073,16 @@ def _rescale(rows: list[Row], hardware: dict[str, float]) -> None:
             if key in row.extra:
                 bytes_key = f"{row.family}_decode_weight_bytes"
                 row.extra[key] = 1000 * hardware[bytes_key] / hardware["read_bytes_per_s"]
+
+
+def cpu_products_label(onednn: bool | None) -> str:
+    """What hfgpt's float32 CPU products ran on under `use_onednn_products(onednn)`: "onednn", "mkl", or
+    by the number of rows where the default setting splits them (`ops.onednn_products_apply`)."""
+    if onednn is False:
+        return "mkl"
+    if onednn or ops_hfgpt.avx512_cpu():
+        return "onednn"
+    return f"onednn up to {ops_hfgpt.FEW_ROWS} rows, mkl above"
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -1680,7 +1690,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         args.threads,
         args.keep_freed_memory,
-        onednn=not args.mkl_products,
+        onednn=False if args.mkl_products else None,
         peers=peers,
     )
     publish(format_table(report), report, args.json)

@@ -12,9 +12,10 @@ of fresh memory) during it. An op's time includes what it runs inside C++ (oneDN
 transposed input itself: that copy is part of the product here); hfgpt's C kernels (attention, the
 GELU, dropout's keep masks, the LM loss's log-sum-exp and softmax gradient) are torch operators
 (`hfgpt.cpu.kernels`), timed as ops of their own ("hfgpt.gelu_tanh.default", ...). Matrix products
-(oneDNN's linear op, `mm`, `addmm`, `bmm`, `baddbmm`) are summed apart, with their FLOPs from the shapes,
-so their own rate can be set beside the rest of the step. The mode costs a few microseconds an op, so its
-step total runs a little above the plain step time; compare the two contenders, and the shares, not absolute times with
+(oneDNN's linear op, `mm`, `addmm`, `addmm_`, `bmm`, `baddbmm`) are summed apart, with their FLOPs from
+the shapes, so their own rate can be set beside the rest of the step. The mode costs a few microseconds an
+op, so its step total runs a little above the plain step time; compare the two contenders, and the shares,
+not absolute times with
 other runs (this machine's speed drifts by +-20%).
 """
 
@@ -39,7 +40,14 @@ from bench_model import PROFILES, build_ours, build_peer, make_train_step, write
 
 from hfgpt.cpu.runtime import keep_freed_memory  # noqa: E402
 
-PRODUCTS = ("mkldnn._linear_pointwise", "aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+PRODUCTS = (
+    "mkldnn._linear_pointwise",
+    "aten.mm.",
+    "aten.addmm.",
+    "aten.addmm_.",
+    "aten.bmm.",
+    "aten.baddbmm.",
+)
 
 
 def product_flops(name: str, args: tuple[Any, ...]) -> float:
@@ -51,7 +59,7 @@ def product_flops(name: str, args: tuple[Any, ...]) -> float:
     if name.startswith("aten.mm."):
         a, b = tensors[0], tensors[1]
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    if name.startswith("aten.addmm."):
+    if name.startswith(("aten.addmm.", "aten.addmm_.")):  # (the in-place one: the LM loss's on MKL)
         a, b = tensors[1], tensors[2]
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
     if name.startswith("aten.bmm."):

@@ -151,30 +151,45 @@ def onednn_bfloat16_runs() -> bool:
     return True
 
 
-_cpu_products = {"onednn": _ONEDNN_LINEAR is not None}
+@functools.cache
+def avx512_cpu() -> bool:
+    """Whether torch runs its CPU kernels with AVX-512 here (`torch.backends.cpu.get_cpu_capability()`,
+    which `ATEN_CPU_CAPABILITY` can lower): the CPUs on which hfgpt's oneDNN products
+    (`onednn_products_apply`) and banded attention (`banded_attention_applies`) were measured faster than
+    the plain model's MKL products and sdpa (benchmarks/RESULTS.md). On CPUs where torch's kernels stop
+    at AVX2 both were measured slower at prefill sizes, and step aside there."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
-def use_onednn_products(enabled: bool) -> bool:
-    """Run the float32 CPU products of hfgpt's linear layers through oneDNN (the default where torch has
-    it) or, with False, through `torch.addmm` (MKL's sgemm, what transformers' `Conv1D` runs). Returns
-    the previous setting; process-wide.
+# Where the float32 products run on oneDNN (`use_onednn_products`): None where it is the faster on this CPU,
+# True wherever it can, False nowhere.
+_cpu_products: dict[str, bool | None] = {"onednn": None if _ONEDNN_LINEAR is not None else False}
 
-    oneDNN runs GPT-2's products faster than MKL, most of all at the few rows of a batched decoding step
-    (benchmarks/RESULTS.md, "Where hfgpt's speed comes from"). Values equal `addmm`'s to float rounding
-    (a different summation order), not bit for bit."""
+
+def use_onednn_products(enabled: bool | None) -> bool | None:
+    """Where the float32 CPU products of hfgpt's linear layers run on oneDNN, process-wide: with None (the
+    default where torch has oneDNN) where oneDNN is the faster on this CPU (`onednn_products_apply`), with
+    True every product of two or more rows, with False none: they run `torch.addmm` (MKL's sgemm, what
+    transformers' `Conv1D` runs). Returns the previous setting.
+
+    On CPUs with AVX-512 oneDNN runs GPT-2's products faster than MKL, most of all at the few rows of a
+    batched decoding step (benchmarks/RESULTS.md, "Where hfgpt's speed comes from"). Values equal
+    `addmm`'s to float rounding (a different summation order), not bit for bit."""
     previous = _cpu_products["onednn"]
-    _cpu_products["onednn"] = bool(enabled) and _ONEDNN_LINEAR is not None
+    if _ONEDNN_LINEAR is None:
+        enabled = False
+    _cpu_products["onednn"] = None if enabled is None else bool(enabled)
     return previous
 
 
 @contextlib.contextmanager
-def onednn_products(enabled: bool) -> Iterator[bool]:
+def onednn_products(enabled: bool | None) -> Iterator[bool]:
     """`use_onednn_products(enabled)` for the block, the previous setting restored after it as it was
     (not re-checked against oneDNN's availability, which a test may have patched meanwhile); yields
-    whether oneDNN runs in it (False without oneDNN whatever `enabled`)."""
+    whether oneDNN may run in it (False without oneDNN whatever `enabled`)."""
     previous = use_onednn_products(enabled)
     try:
-        yield _cpu_products["onednn"]
+        yield _cpu_products["onednn"] is not False
     finally:
         _cpu_products["onednn"] = previous
 
@@ -182,16 +197,27 @@ def onednn_products(enabled: bool) -> Iterator[bool]:
 def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
     compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
-    matrix-vector kernel), where `onednn_runs_here`."""
-    return onednn_runs_here(x) and float32_outside_autocast(x, *params) and x.numel() >= 2 * x.shape[-1]
+    matrix-vector kernel), where `onednn_runs_here`; in the default setting (`use_onednn_products(None)`)
+    on a CPU without AVX-512 (`avx512_cpu`), only up to `FEW_ROWS` rows.
+
+    Where torch's kernels stop at AVX2, oneDNN's float32 products at prefill and training sizes are
+    slower than MKL's sgemm (the MLP's product with oneDNN's tanh GELU and the transposed weight
+    gradients most of all), so those run on MKL, as the plain model's do; at a decoding step's few rows,
+    split between the threads, oneDNN stays the faster there too."""
+    return (
+        onednn_runs_here(x)
+        and float32_outside_autocast(x, *params)
+        and x.numel() >= 2 * x.shape[-1]
+        and (bool(_cpu_products["onednn"]) or x.numel() <= FEW_ROWS * x.shape[-1] or avx512_cpu())
+    )
 
 
 def onednn_runs_here(x: torch.Tensor) -> bool:
     """Whether hfgpt may call oneDNN's linear op on `x` at all, whatever the dtype: products on oneDNN
-    (`use_onednn_products`), `eager_on_cpu`, and oneDNN not switched off
+    (`use_onednn_products` not False), `eager_on_cpu`, and oneDNN not switched off
     (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's lookup,
     which torch.compile cannot trace."""
-    return _cpu_products["onednn"] and eager_on_cpu(x) and torch._C._get_mkldnn_enabled()
+    return _cpu_products["onednn"] is not False and eager_on_cpu(x) and torch._C._get_mkldnn_enabled()
 
 
 def _eager() -> bool:
@@ -656,7 +682,9 @@ def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_m
     """Whether `cpu_banded_attention` stands in for sdpa: causal self-attention over 128-767 positions
     (no cached keys; no mask, or a boolean one that attends to no later position) in float32 or
     bfloat16 (a bfloat16 model, or inside autocast) on the CPU, without autograd, outside compiled
-    graphs."""
+    graphs, where torch's kernels run AVX-512 (`avx512_cpu`). Where they stop at AVX2, torch's flash
+    kernel computes the whole causal square faster than the bands' several calls, each a parallel region
+    of its own, so sdpa keeps it there."""
     length = query.shape[-2]
     return (
         key.shape[-2] == length
@@ -665,6 +693,7 @@ def banded_attention_applies(query: torch.Tensor, key: torch.Tensor, attention_m
         and query.device.type == "cpu"
         and not query.requires_grad
         and not torch.compiler.is_compiling()
+        and avx512_cpu()
         and (attention_mask is None or attends_to_no_later_position(attention_mask))
     )
 

@@ -78,8 +78,10 @@ def cpu_products_setting_restored():
 
 @pytest.fixture(params=["onednn", "mkl"])
 def cpu_products(request):
-    """Runs a test with hfgpt's float32 CPU products through oneDNN (the default) and through MKL's
-    `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built without oneDNN."""
+    """Runs a test with hfgpt's float32 CPU products through oneDNN at every size
+    (`use_onednn_products(True)`; the default runs them there only where oneDNN is the faster on the CPU)
+    and through MKL's `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built
+    without oneDNN."""
     from hfgpt.cpu import ops as ops_hfgpt
 
     if request.param == "onednn" and ops_hfgpt._ONEDNN_LINEAR is None:

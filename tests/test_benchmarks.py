@@ -71,7 +71,8 @@ def test_figures_are_finite_and_positive(tiny_report):
     onednn = bench_model.ops_hfgpt._ONEDNN_LINEAR is not None
     assert set(by_kernel) == ({"torch.mm", "onednn"} if onednn else {"torch.mm"})
     assert hw["matmul_flops_per_s"] == max(by_kernel.values())
-    assert tiny_report["machine"]["hfgpt_cpu_products"] == ("onednn" if onednn else "mkl")
+    default = "onednn" if bench_model.ops_hfgpt.avx512_cpu() else "onednn up to 16 rows, mkl above"
+    assert tiny_report["machine"]["hfgpt_cpu_products"] == (default if onednn else "mkl")
     # The read rate is the better of 4 KiB pages and huge pages (hfgpt's decoding copies use the latter).
     by_pages = hw["read_bytes_per_s_by_pages"]
     assert set(by_pages) == {"4 KiB", "2 MiB"} and min(by_pages.values()) > 0
@@ -188,6 +189,14 @@ def test_keep_freed_memory_run_is_marked_in_the_figures_and_the_table(tmp_path):
         (section, impl) for section in ("train", "memory") for impl in ("hfgpt", "transformers")
     }
     assert "freed memory kept in the process" in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_the_products_label_names_where_the_default_setting_runs_onednn(avx512, monkeypatch):
+    monkeypatch.setattr(bench_model.ops_hfgpt, "avx512_cpu", lambda: avx512)
+    label = bench_model.cpu_products_label
+    assert label(None) == ("onednn" if avx512 else "onednn up to 16 rows, mkl above")
+    assert (label(True), label(False)) == ("onednn", "mkl")
 
 
 def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, capsys):

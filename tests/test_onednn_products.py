@@ -18,16 +18,22 @@ TINY = dict(
 
 
 @pytest.fixture
-def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
-    """The input shapes of every oneDNN product, recorded (and still computed)."""
+def onednn_recorded(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes of every oneDNN product, recorded (and still computed), in the current setting."""
     if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
     calls, op = [], ops_hfgpt._ONEDNN_LINEAR
     monkeypatch.setattr(
         ops_hfgpt, "_ONEDNN_LINEAR", lambda x, *args: calls.append(tuple(x.shape)) or op(x, *args)
     )
+    return calls
+
+
+@pytest.fixture
+def onednn_calls(onednn_recorded) -> list[tuple[int, ...]]:
+    """`onednn_recorded` with the products on oneDNN at every size (`use_onednn_products(True)`)."""
     with ops_hfgpt.onednn_products(True):
-        yield calls
+        yield onednn_recorded
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 32), (2, 1, 32), (3, 40, 32)])
@@ -160,6 +166,53 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
         assert torch.equal(ours.float()(x), theirs(x))  # exactly addmm
         assert onednn_calls == []
         assert not onednn_products_apply(x, ours.weight)
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx512(avx512, monkeypatch):
+    """`use_onednn_products(None)` (the default): oneDNN for products of two or more rows where torch's
+    kernels run AVX-512 (`avx512_cpu`); where they stop at AVX2, only up to `FEW_ROWS` rows (a decoding
+    step), MKL above. True runs oneDNN at every size whatever the CPU, False nowhere."""
+    if ops_hfgpt._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: avx512)
+    weight = torch.randn(32, 8)
+    few, many = ops_hfgpt.FEW_ROWS, ops_hfgpt.FEW_ROWS + 1
+    with ops_hfgpt.onednn_products(None) as may_run:
+        assert may_run and ops_hfgpt._cpu_products["onednn"] is None
+        assert not onednn_products_apply(torch.randn(1, 32), weight)  # one row: MKL's one-row kernel
+        assert onednn_products_apply(torch.randn(2, 32), weight)
+        assert onednn_products_apply(torch.randn(2, few // 2, 32), weight)  # rows across batch and time
+        assert onednn_products_apply(torch.randn(many, 32), weight) == avx512
+        assert onednn_products_apply(torch.randn(4, 128, 32), weight) == avx512
+    with ops_hfgpt.onednn_products(True):
+        assert onednn_products_apply(torch.randn(4, 128, 32), weight)
+    with ops_hfgpt.onednn_products(False) as may_run:
+        assert not may_run and not onednn_products_apply(torch.randn(2, 32), weight)
+
+
+def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_only(
+    onednn_recorded, monkeypatch
+):
+    """Where torch's kernels stop at AVX2, a kernelized model's prefill and training products run on MKL
+    (as the plain model's do) and its batched decoding steps on oneDNN, with the same logits."""
+    monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: False)
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY))
+    peer = to_transformers(model).eval()
+    ids = torch.randint(0, 96, (2, 10))
+    assert ops_hfgpt._cpu_products["onednn"] is None  # the default setting
+    model(ids, labels=ids).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
+    assert onednn_recorded == []  # 20 rows each
+    prompts = torch.randint(0, 96, (4, 5))
+    with torch.no_grad():
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=3, do_sample=False)
+    # The prompt's 20 rows on MKL, its head (the last position of each row: 4 rows) and two decoding
+    # steps of 4 rows on oneDNN.
+    assert [shape[0] for shape in onednn_recorded] == [4] + [4] * 18
 
 
 def test_use_onednn_products_stays_off_without_onednn(monkeypatch):

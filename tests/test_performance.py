@@ -454,7 +454,14 @@ def test_bf16_autocast_training_matches_transformers_gpt2():
         assert relative_error(grad, peer_grads[name]) < 0.02, name
 
 
-def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch):
+@pytest.fixture
+def bands_on_any_cpu(monkeypatch):
+    """Attention in bands wherever it applies otherwise, as on a CPU with AVX-512 (`avx512_cpu`): its
+    values are checked on any CPU."""
+    monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: True)
+
+
+def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch, bands_on_any_cpu):
     """A left-padded prefill of 160 positions inside CPU autocast to bfloat16: attention in bands (in
     bfloat16), the few-row head from float32 weights; logits agree with transformers' GPT-2 in the same
     autocast to bfloat16's precision."""
@@ -838,7 +845,7 @@ def test_masked_scale_reads_the_boolean_mask_as_zero_or_one():
 
 @pytest.mark.parametrize("length", [128, 130, 200, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_banded_attention_equals_causal_sdpa(length, dtype):
+def test_cpu_banded_attention_equals_causal_sdpa(length, dtype, bands_on_any_cpu):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, length, 16).to(dtype) for _ in range(3))
     assert banded_attention_applies(q, k, None)
@@ -850,7 +857,7 @@ def test_cpu_banded_attention_equals_causal_sdpa(length, dtype):
 
 
 @pytest.mark.parametrize("prefix", [0, 100])
-def test_cpu_banded_attention_under_a_padding_mask_equals_sdpa(prefix):
+def test_cpu_banded_attention_under_a_padding_mask_equals_sdpa(prefix, bands_on_any_cpu):
     """Left padding (rows that see nothing give zeros, as in sdpa) in bands; a mask looking ahead
     across bands (a 100-token bidirectional prefix) is not banded."""
     torch.manual_seed(0)
@@ -867,7 +874,7 @@ def test_cpu_banded_attention_under_a_padding_mask_equals_sdpa(prefix):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_banded_attention_applies_only_to_plain_causal_inference():
+def test_banded_attention_applies_only_to_plain_causal_inference(bands_on_any_cpu):
     q = torch.randn(1, 2, 256, 8)
     assert banded_attention_applies(q, q, None)
     assert banded_attention_applies(q, q, torch.ones(256, 256, dtype=torch.bool).tril())
@@ -881,10 +888,30 @@ def test_banded_attention_applies_only_to_plain_causal_inference():
     assert not banded_attention_applies(q.requires_grad_(), q, None)  # autograd: sdpa's backward
 
 
+@pytest.mark.parametrize("avx512", [True, False])
+def test_prefill_attention_runs_in_bands_only_where_torch_runs_avx512(avx512, monkeypatch):
+    """Where torch's kernels stop at AVX2 (`avx512_cpu`), sdpa keeps prefill attention, which was measured
+    faster there than the bands; the logits are the same either way."""
+    monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: avx512)
+    banded = []
+    original = ops_hfgpt.cpu_banded_attention
+    monkeypatch.setattr(
+        ops_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].shape) or original(*a, **k)
+    )
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**{**TINY, "n_positions": 160})).eval()
+    peer = to_transformers(model).eval()
+    ids = torch.randint(0, 96, (2, 150))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
+    assert len(banded) == (TINY["n_layer"] if avx512 else 0)
+    assert banded_attention_applies(torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8), None) == avx512
+
+
 @pytest.mark.parametrize("activation_function", ["gelu_new", "gelu", "relu", "silu"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_inference_forward_with_in_place_activation_and_bands_equals_the_training_graph(
-    activation_function, padded
+    activation_function, padded, bands_on_any_cpu
 ):
     """Without autograd the MLP overwrites c_fc's output with its activation and attention runs in
     bands (at 150 positions, with or without left padding); the logits are those of the same forward
