@@ -17,6 +17,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cpu_benchmark():
+    """These test the CPU benchmark: where a CUDA device exists (bench_model's default there), they still
+    run on the CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def bench():
     return bench_model
