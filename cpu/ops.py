@@ -217,7 +217,7 @@ def onednn_runs_here(x: torch.Tensor) -> bool:
     (`use_onednn_products` not False), `eager_on_cpu`, and oneDNN not switched off
     (`torch.backends.mkldnn.flags(enabled=False)`). The compile check comes before the flag's lookup,
     which torch.compile cannot trace."""
-    return _cpu_products["onednn"] is not False and eager_on_cpu(x) and torch._C._get_mkldnn_enabled()
+    return _cpu_products["onednn"] is not False and eager_on_cpu(x) and torch.backends.mkldnn.enabled
 
 
 def _eager() -> bool:
