@@ -96,6 +96,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         new_tokens=128,
         train_shape=(4, 256),
         repeats=5,
+        prefill_repeats=11,  # a forward takes seconds, and one busy second moves a median of five
         decode_repeats=3,
         slow_peer_repeats=1,  # OpenAIGPT recomputes the whole sequence per token
         model_overrides={},
@@ -107,6 +108,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         new_tokens=32,
         train_shape=(4, 256),
         repeats=3,
+        prefill_repeats=5,
         decode_repeats=2,
         slow_peer_repeats=1,
         model_overrides={},
@@ -118,6 +120,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         new_tokens=6,
         train_shape=(2, 16),
         repeats=2,
+        prefill_repeats=2,
         decode_repeats=1,
         slow_peer_repeats=1,
         model_overrides=dict(n_embd=32, n_layer=2, n_head=2, vocab_size=1000, n_positions=64),
@@ -476,12 +479,12 @@ def interleaved(
 
 
 def with_probes(
-    ctx: Context, fns: dict[str, Callable[[], Any]], dtype: torch.dtype
+    ctx: Context, fns: dict[str, Callable[[], Any]], dtype: torch.dtype, repeats: int
 ) -> tuple[dict[str, Timing], float]:
-    """`interleaved(fns)` with `matmul_probes` among them: the timings of `fns` and the best rate of the
-    probes, measured in the same rounds."""
+    """`interleaved(fns)` with `matmul_probes` among them, `repeats` rounds: the timings of `fns` and the
+    best rate of the probes, measured in the same rounds."""
     probes = matmul_probes(ctx.device, dtype, ctx.tiny)
-    timings = interleaved({**fns, **{name: fn for name, (fn, _) in probes.items()}}, ctx.repeats, ctx.device)
+    timings = interleaved({**fns, **{name: fn for name, (fn, _) in probes.items()}}, repeats, ctx.device)
     rate = max(flops / timings.pop(name).median for name, (_, flops) in probes.items())
     return timings, rate
 
@@ -596,7 +599,8 @@ def utilisation_rows(
     and the MFU against the matmul rate of `dtype` (float32 for None), the run's and the one timed
     between the model runs; `extra` adds the rows' own figures (`extra_of` one contender's),
     `step_time` each row's s/step."""
-    timings, concurrent = with_probes(ctx, fns, dtype or torch.float32)
+    repeats = ctx.prefill_repeats if section == "prefill" else ctx.repeats
+    timings, concurrent = with_probes(ctx, fns, dtype or torch.float32, repeats)
     peak_key = "bf16_matmul_flops_per_s" if dtype == torch.bfloat16 else "matmul_flops_per_s"
     return [
         Row(
@@ -966,6 +970,7 @@ class Context:
     profile_name: str
     profile: dict[str, Any]
     repeats: int
+    prefill_repeats: int
     decode_repeats: int
     hardware: dict[str, float]
     tiny: bool
@@ -1010,6 +1015,7 @@ def run(
             profile_name=profile_name,
             profile=profile,
             repeats=repeats or profile["repeats"],
+            prefill_repeats=repeats or profile["prefill_repeats"],
             decode_repeats=repeats or profile["decode_repeats"],
             hardware=hardware,
             tiny=tiny,
