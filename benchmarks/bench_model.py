@@ -1473,7 +1473,9 @@ def _run_line(run_: dict[str, Any]) -> str:
 
 def summary_table(figures: dict[str, dict[str, Any]]) -> str:
     """The README's performance table: `SUMMARY_ROWS` from the figures files, with the run (date,
-    machine, versions, measured limits) they come from; "-" where a figure is missing."""
+    machine, versions, measured limits) they come from; "-" where one family's figure is missing, and a
+    line naming the rows that no family has (the bfloat16 rows run only where the CPU has bfloat16
+    arithmetic: `bfloat16_native`)."""
     runs = runs_of(figures)
     if len(runs) == 1:
         header = [f"Measured by `benchmarks/bench_model.py` on {_run_line(runs[0])}."]
@@ -1487,12 +1489,18 @@ def summary_table(figures: dict[str, dict[str, Any]]) -> str:
         "| measurement | GPT-2 124M, hfgpt | hfgpt / transformers | GPT-1, hfgpt | hfgpt / transformers |",
         "|---|---|---|---|---|",
     ]
+    unmeasured = []
     for line in summary_figures(figures):
+        if all(line[family]["figure"] is None for family in FAMILIES):
+            unmeasured.append(line["label"])  # (bfloat16 rows where the CPU lacks it, a peer not installed)
+            continue
         cells = []
         for family in FAMILIES:
             figure, ratio = line[family]["figure"], line[family]["ratio"]
             cells += [figure or "-", f"{ratio:.2f}x" if ratio is not None else "-"]
         lines.append(f"| {line['label']} | " + " | ".join(cells) + " |")
+    if unmeasured:
+        lines += ["", f"Not measured in this run: {'; '.join(unmeasured)}."]
     return "\n".join(lines)
 
 

@@ -463,6 +463,19 @@ def test_summary_ratios_are_the_rows_ratios_against_transformers():
     assert memory["figure"].endswith(" GB") and memory["ratio"] < 1
 
 
+def test_summary_table_names_the_rows_no_family_has_instead_of_a_row_of_dashes():
+    figures = bench_model.load_figures()
+    bf16 = "training step, B=4 x 256, bfloat16 autocast"
+    without = {
+        section: {**report, "rows": [r for r in report["rows"] if "bf16" not in r["case"]]}
+        for section, report in figures.items()
+    }
+    table = bench_model.summary_table(without)
+    assert f"| {bf16} |" not in table
+    assert table.endswith(".") and bf16 in table.splitlines()[-1].split(": ", 1)[1]
+    assert "| greedy decoding, B=1 |" in table
+
+
 def test_chart_is_drawn_from_the_figures_files(tmp_path):
     from PIL import Image
 
