@@ -477,8 +477,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
 
     Each Conv1D becomes the equivalent `nn.Linear` first:
     - float32: nothing is quantised: `DecodingLinear` layers give the same values (to float rounding)
-      and the same greedy tokens; where the CPU has AVX-512 (hfgpt's one-row kernel) decoding steps run
-      faster, at one row and at several; elsewhere about as fast as the model itself (benchmarks/RESULTS.md). The copy holds a second set of weights: drop the original when memory
+      and the same greedy tokens. Where the CPU has AVX-512 (hfgpt's one-row kernel), decoding steps run
+      faster, at one row and at several; elsewhere slower than the model itself: use the model there
+      (benchmarks/RESULTS.md). The copy holds a second set of weights: drop the original when memory
       matters.
     - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
       output channel, activations quantised at run time with one scale per 64 inputs, products in
