@@ -461,15 +461,21 @@ def bands_on_any_cpu(monkeypatch):
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: True)
 
 
-def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch, bands_on_any_cpu):
+@pytest.fixture
+def banded_queries(monkeypatch) -> list[torch.Tensor]:
+    """The query of every call to `cpu_banded_attention`, recorded (and still computed)."""
+    queries = []
+    original = ops_hfgpt.cpu_banded_attention
+    monkeypatch.setattr(
+        ops_hfgpt, "cpu_banded_attention", lambda *a, **k: queries.append(a[1]) or original(*a, **k)
+    )
+    return queries
+
+
+def test_bf16_autocast_prefill_matches_transformers_gpt2(banded_queries, bands_on_any_cpu):
     """A left-padded prefill of 160 positions inside CPU autocast to bfloat16: attention in bands (in
     bfloat16), the few-row head from float32 weights; logits agree with transformers' GPT-2 in the same
     autocast to bfloat16's precision."""
-    banded = []
-    original = ops_hfgpt.cpu_banded_attention
-    monkeypatch.setattr(
-        ops_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].dtype) or original(*a, **k)
-    )
     torch.manual_seed(0)
     ours = GPTForCausalLM(GPTConfig(**{**TINY, "n_positions": 256})).eval()
     peer = to_transformers(ours).eval()
@@ -482,7 +488,7 @@ def test_bf16_autocast_prefill_matches_transformers_gpt2(monkeypatch, bands_on_a
             expected = peer(ids, attention_mask=mask, logits_to_keep=keep).logits
         assert got.dtype == expected.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.02)
-    assert banded and set(banded) == {torch.bfloat16}
+    assert banded_queries and {q.dtype for q in banded_queries} == {torch.bfloat16}
 
 
 def test_lm_loss_with_nothing_to_count_is_nan_like_transformers():
@@ -889,22 +895,17 @@ def test_banded_attention_applies_only_to_plain_causal_inference(bands_on_any_cp
 
 
 @pytest.mark.parametrize("avx512", [True, False])
-def test_prefill_attention_runs_in_bands_only_where_torch_runs_avx512(avx512, monkeypatch):
+def test_prefill_attention_runs_in_bands_only_where_torch_runs_avx512(avx512, monkeypatch, banded_queries):
     """Where torch's kernels stop at AVX2 (`avx512_cpu`), sdpa keeps prefill attention, which was measured
     faster there than the bands; the logits are the same either way."""
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: avx512)
-    banded = []
-    original = ops_hfgpt.cpu_banded_attention
-    monkeypatch.setattr(
-        ops_hfgpt, "cpu_banded_attention", lambda *a, **k: banded.append(a[1].shape) or original(*a, **k)
-    )
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**{**TINY, "n_positions": 160})).eval()
     peer = to_transformers(model).eval()
     ids = torch.randint(0, 96, (2, 150))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
-    assert len(banded) == (TINY["n_layer"] if avx512 else 0)
+    assert len(banded_queries) == (TINY["n_layer"] if avx512 else 0)
     assert banded_attention_applies(torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8), None) == avx512
 
 
