@@ -217,7 +217,12 @@ def causal_lm_forward(
     """`GPTForCausalLM.forward`; with labels (and transformers' own loss function), the head and the loss
     computed together by `ops.lm_logits_and_loss`."""
     plain = functools.partial(GPTForCausalLM.forward, self)
-    if labels is None or getattr(self, "_loss_function", None) is not None or logits_to_keep != 0:
+    if (
+        labels is None
+        or getattr(self, "_loss_function", None) is not None
+        or logits_to_keep != 0
+        or self.lm_head.weight.device.type != "cpu"  # elsewhere the plain model's fused head and loss
+    ):
         return plain(
             input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds,
             labels, use_cache, logits_to_keep, **kwargs,

@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import GPT2DoubleHeadsModelOutput
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput, logging
-from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_hfgpt import GPTConfig
@@ -294,6 +294,97 @@ def weighted_cross_entropy(
     """sum_i weights[i] * CE(logits[i], targets[i]) over rows, computed in float32."""
     losses = F.cross_entropy(logits.float(), targets, reduction="none")
     return (losses * weights).sum()
+
+
+# Logits formed at a time by `LinearCrossEntropy`: 2**26 (256 MB in float32), whatever the vocabulary.
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The causal-LM loss of a bias-free head, `sum(CE(hidden @ weight.T, targets)) / divisor` over the rows
+    whose target is not `ignore_index`, without the N x V logits ever existing at once.
+
+    The forward pass takes `chunk_rows` rows at a time: their logits, log-sum-exp and loss, then right away
+    the gradient of that loss, softmax - onehot, through the head's two products into the gradients of the
+    hidden states (N x E) and of the weight (V x E), which it keeps; the backward pass scales them by the
+    loss's gradient. The same products as `F.linear`, `F.cross_entropy` and their backward, in the same
+    precision: autocast's dtype (or the inputs') for the products, float32 for the softmax, the loss and the
+    weight's gradient sum. Plain autograd instead keeps the float32 logits, their log-softmax and two
+    gradients of that size: at GPT-2's vocabulary, 200 KB a token each.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # (N, E)
+        weight: torch.Tensor,  # (V, E)
+        targets: torch.Tensor,  # (N,) token ids or ignore_index
+        divisor: torch.Tensor,  # () the summed loss is divided by it
+        ignore_index: int,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        low_weight = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        exact = torch.float64 if dtype == torch.float64 else torch.float32  # of the softmax and the sums
+        grad_weight = torch.zeros_like(weight, dtype=exact) if weight.requires_grad else None
+        loss = hidden.new_zeros((), dtype=exact)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = hidden[start : start + chunk_rows].to(dtype)
+            counted = targets[start : start + chunk_rows] != ignore_index
+            target = torch.where(counted, targets[start : start + chunk_rows], 0)[:, None]
+            logits = (rows @ low_weight.T).to(exact)  # (C, V)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            loss = loss + ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
+            # d loss / d logits = (softmax - onehot) / divisor on counted rows, 0 elsewhere; in place, so that
+            # one slice of logits is all the memory this takes
+            grad = logits.sub_(lse).exp_().scatter_add_(1, target, counted[:, None].to(exact).neg())
+            grad = grad.mul_(counted[:, None] / divisor).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_rows] = grad @ low_weight
+            if grad_weight is not None:
+                grad_weight += grad.T @ rows
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss / divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss
+        if grad_weight is not None:
+            grad_weight = grad_weight * grad_loss
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss(hidden_states @ weight.T, labels, ...)`, the same arguments and value
+    (labels shifted inside, `ignore_index` skipped, the mean over counted tokens, or the sum divided by
+    `num_items_in_batch` under Trainer's gradient accumulation), through `LinearCrossEntropy`."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"labels hold {targets.shape[0]} positions but the hidden states {hidden.shape[0]} "
+            f"(labels shape {tuple(shift_labels.shape)}, inputs {tuple(hidden_states.shape[:-1])})"
+        )
+    if num_items_in_batch is None:
+        divisor = (targets != ignore_index).sum()
+    else:
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    return LinearCrossEntropy.apply(hidden, weight, targets, divisor, ignore_index, chunk_rows)
 
 
 class GPTPreTrainedModel(PreTrainedModel):
@@ -552,7 +643,6 @@ class GPTModel(GPTPreTrainedModel):
             "embeddings (did the tokenizer add tokens without `model.resize_token_embeddings`?)",
         )
 
-    @merge_with_config_defaults
     @capture_outputs
     def forward(
         self,
@@ -583,6 +673,16 @@ class GPTModel(GPTPreTrainedModel):
         if attention_mask is not None and attention_mask.ndim == len(input_shape) and len(input_shape) > 2:
             attention_mask = attention_mask.reshape(batch, -1)
 
+        training = self.training and torch.is_grad_enabled()
+        if use_cache is None:
+            # `config.use_cache` is inference's default: a training forward fills no cache unless asked to
+            # (it would hold a copy of every layer's keys and values that nothing reads).
+            use_cache = self.config.use_cache and not training
+        elif use_cache and training and self.gradient_checkpointing:
+            logger.warning_once(
+                "`use_cache=True` is incompatible with gradient checkpointing: no cache is kept."
+            )
+            use_cache = False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         # (continuous batching's paged cache is no `Cache` and comes with position_ids)
@@ -616,7 +716,7 @@ class GPTModel(GPTPreTrainedModel):
         # A checkpointed block runs again in the backward pass and would fill the cache twice: it gets none, as
         # in GPT2Model (transformers' GradientCheckpointingLayer drops a cache passed by its keyword, which
         # 5.24 renamed). Without gradients nothing runs again.
-        recomputed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        recomputed = self.gradient_checkpointing and training
         block_cache = None if recomputed else cache
         for block in self.h:
             hidden_states = block(
@@ -674,6 +774,15 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
+        if labels is not None and self._fused_loss_applies(hidden_states, logits_to_keep):
+            # Training: the head and its loss together, without the full float32 logits (returned as None).
+            loss = linear_cross_entropy(hidden_states, self.lm_head.weight, labels, **kwargs)
+            return CausalLMOutputWithPast(
+                loss=loss,
+                **cache_field(outputs),
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, slice_indices, :])
         loss = None
@@ -686,6 +795,23 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             **cache_field(outputs),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+        )
+
+    def _fused_loss_applies(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> bool:
+        """Whether the loss runs through `linear_cross_entropy`: in training (train mode, gradients on), with
+        transformers' own loss function and every position's logits asked for, and a plain bias-free head
+        (not one a user or accelerate's offloading replaced, nor one whose weight is offloaded)."""
+        head = self.lm_head
+        return (
+            self.training
+            and torch.is_grad_enabled()
+            and self.loss_function is ForCausalLMLoss
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep == 0
+            and type(head) is nn.Linear
+            and head.bias is None
+            and "forward" not in head.__dict__
+            and not head.weight.is_meta
         )
 
 
