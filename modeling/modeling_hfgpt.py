@@ -11,10 +11,11 @@ same on any device. Faster CPU layers plug in from outside (`hfgpt.cpu`) through
 attention registry and a `Cache`; this file never imports them.
 """
 
+import contextlib
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -277,6 +278,31 @@ def copy_remote_code(save_directory: str | os.PathLike) -> None:
         shutil.copyfile(here / name, Path(save_directory) / name)
 
 
+@contextlib.contextmanager
+def _named_as_own_class(model: nn.Module) -> Iterator[None]:
+    """Within the block, a class that torch built around the model's class at run time bears the name and
+    module of the class it wraps.
+
+    FSDP2's `fully_shard` (and `replicate`) swap the model's class for `FSDP<name>(FSDPModule, <name>)`,
+    made by `type()` in torch's `_fsdp_init`. transformers' `save_pretrained` names and copies the code of
+    the instance's class for trust_remote_code (`custom_object_save`: `auto_map` gets
+    `_fsdp_init.FSDPGPTForCausalLM`, and torch's `_fsdp_*.py` files are copied beside the checkpoint, which
+    then fail to load: torch's operators registered twice). Named as the class it wraps, the same call
+    records hfgpt's class and copies hfgpt's two code files, also for `push_to_hub`, which uploads them
+    from inside that call."""
+    cls = type(model)
+    if not cls.__module__.startswith("torch."):
+        yield
+        return
+    wrapped = next(c for c in cls.__mro__[1:] if issubclass(c, GPTPreTrainedModel))
+    names = cls.__module__, cls.__name__
+    cls.__module__, cls.__name__ = wrapped.__module__, wrapped.__name__
+    try:
+        yield
+    finally:
+        cls.__module__, cls.__name__ = names
+
+
 def _unpoolable_batch(n_rows: int, clf_id: int | None = None) -> ValueError:
     """The error for a batch of several sequences that a classification head cannot pool without a pad token."""
     return ValueError(
@@ -436,11 +462,15 @@ class GPTPreTrainedModel(PreTrainedModel):
         kwargs.setdefault("key_mapping", OPENAI_GPT_KEY_MAPPING)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
-    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: Any, is_main_process: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
         # Loadable with trust_remote_code where hfgpt is not installed, through any head's Auto class.
         record_every_head(self.config)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        copy_remote_code(save_directory)
+        with _named_as_own_class(self):
+            super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        if is_main_process:
+            copy_remote_code(save_directory)
 
     def _pool_positions(
         self, input_ids: torch.Tensor | None, n_rows: int, seq_len: int, require_pad: bool = True

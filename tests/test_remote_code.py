@@ -63,6 +63,10 @@ SCRIPT = textwrap.dedent(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=int(sys.argv[6]), pad_token_id=0
             )
         result = out.tolist()
+    elif kind == "causal-lm-logits":
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+        with torch.no_grad():
+            result = model(ids, attention_mask=mask).logits.tolist()
     else:
         model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True).eval()
         with torch.no_grad():

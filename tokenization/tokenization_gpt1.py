@@ -270,6 +270,12 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         add_finetune_tokens: add ``_start_``, ``_delimiter_``, ``_classify_`` as special tokens with ids
             40478-40480, as the original fine-tuning code does.
         unk_token: the token of id 0, which the original gives every piece missing from the vocabulary.
+        bos_token, eos_token: ``<unk>`` too (id 0). GPT-1 was trained without a start- or end-of-text
+            token, but generic code needs one it can name: lm-evaluation-harness conditions a text's first
+            token on the BOS (else the EOS) id and stops generation at the EOS, and failed with a TypeError
+            on ``None``. Id 0 is in the released vocabulary, so no id moves and no embedding row is added
+            (the fine-tuning tokens exist only after ``add_finetune_tokens``); the ids of a text are the
+            original's with or without ``add_special_tokens``, which adds nothing.
     """
 
     vocab_files_names = VOCAB_FILES_NAMES
@@ -281,6 +287,8 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         merges_file: str | os.PathLike | None = None,
         add_finetune_tokens: bool = False,
         unk_token: str = "<unk>",
+        bos_token: str = "<unk>",
+        eos_token: str = "<unk>",
         model_max_length: int = 512,
         clean_up_tokenization_spaces: bool = True,
         **kwargs: Any,
@@ -306,6 +314,8 @@ class GPT1Tokenizer(PreTrainedTokenizer):
 
         super().__init__(
             unk_token=unk_token,
+            bos_token=bos_token,
+            eos_token=eos_token,
             model_max_length=model_max_length,
             clean_up_tokenization_spaces=clean_up_tokenization_spaces,
             add_finetune_tokens=add_finetune_tokens,

@@ -1,0 +1,338 @@
+"""docs/ecosystem.md's recipes run, one test per section, and show what the page says they show.
+
+Each section's Python blocks run as one script in a fresh interpreter (as a user runs them), in a folder
+laid out as the page's first block writes it: `out/gpt2`, `out/gpt1` and `out/gpt2-transformers`,
+converted from the tiny fixture releases of tests/fixtures (GPT-1's with its 4 heads). The test then reads
+the variables the recipe computed. A recipe skips where its tool is not installed; the `test` extra
+installs all but TransformerLens (see pyproject.toml). Shell blocks run too, except those in `NOT_RUN`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_remote_code import (  # tests/ is on sys.path
+    ATTENTION_MASK,
+    INIT,
+    INPUT_IDS,
+    TINY,
+    check_code_files,
+    run_without_hfgpt,
+)
+
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.modeling_hfgpt import AUTO_MAP, REMOTE_CODE_FILES
+from hfgpt.scripts.convert_openai_checkpoint import convert_openai_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "ecosystem.md"
+FIXTURES = Path(__file__).parent / "fixtures"
+BIN = Path(sys.executable).parent
+
+# Shell blocks the suite does not run (by their first words), each with the reason; every other shell block
+# runs in its test.
+NOT_RUN = {
+    "hfgpt-convert models/124M": "the page's starting point: `user_folder` converts the fixture releases",
+    "vllm serve": "vLLM, TGI and llama.cpp do not install here; the test checks the folder they read",
+    "accelerate launch --use_fsdp": "needs GPUs: on the CPU accelerate runs DDP instead",
+}
+# The first words of the shell blocks the tests run.
+RUN = ("lm_eval run", "torchrun")
+
+# Runs a recipe's code, then writes the variables the test asks for as JSON (tensors as lists).
+RUNNER = textwrap.dedent(
+    """
+    import json, sys
+    script, names, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    namespace = {"__name__": "__main__"}
+    exec(compile(open(script).read(), script, "exec"), namespace)
+    plain = lambda value: value.tolist() if hasattr(value, "tolist") else value
+    with open(out, "w") as handle:
+        json.dump({name: plain(namespace[name]) for name in names}, handle)
+    """
+)
+
+
+def sections() -> dict[str, list[tuple[str, str]]]:
+    """The page's fenced blocks, (language, code), under each `## ` heading."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for part in re.split(r"^## ", PAGE.read_text(), flags=re.MULTILINE)[1:]:
+        title = part.splitlines()[0].strip()
+        found[title] = re.findall(r"^```(\w*)\n(.*?)^```", part, flags=re.MULTILINE | re.DOTALL)
+    return found
+
+
+def blocks(title: str, language: str) -> list[str]:
+    matching = [title_ for title_ in sections() if title_.startswith(title)]
+    assert len(matching) == 1, f"docs/ecosystem.md has no single section {title!r}: {list(sections())}"
+    return [code for lang, code in sections()[matching[0]] if lang == language]
+
+
+def environment() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def run_recipe(folder: Path, title: str, names: list[str]) -> dict:
+    """Run the Python blocks of section `title` in `folder`; the values of `names` after they ran."""
+    script = folder / f"recipe-{re.sub(r'[^a-z0-9]+', '-', title.lower())}.py"
+    script.write_text("\n".join(blocks(title, "python")))
+    out = script.with_suffix(".json")
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)],
+        cwd=folder,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"{title}: {result.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def run_shell(folder: Path, command: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        ["bash", "-c", command],
+        cwd=folder,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"{command}: {result.stderr[-6000:]}"
+    return result
+
+
+def needs(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"not installed: {', '.join(missing)}")
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory) -> Path:
+    """The folders of the page's first block, from the fixture releases."""
+    folder = tmp_path_factory.mktemp("ecosystem")
+    convert_openai_checkpoint(FIXTURES / "openai-gpt2-tiny", folder / "out" / "gpt2")
+    convert_openai_checkpoint(FIXTURES / "openai-gpt1-tiny", folder / "out" / "gpt1", n_head=4)
+    convert_openai_checkpoint(
+        FIXTURES / "openai-gpt2-tiny", folder / "out" / "gpt2-transformers", format="transformers"
+    )
+    return folder
+
+
+def test_every_shell_block_runs_or_says_why_not():
+    for title, found in sections().items():
+        for language, code in found:
+            if language == "bash" and not code.startswith(tuple(NOT_RUN)):
+                assert code.startswith(RUN) and len(code.strip().splitlines()) == 1, f"{title}: {code!r}"
+
+
+def test_the_readme_links_the_page():
+    assert "(docs/ecosystem.md)" in (ROOT / "README.md").read_text()
+
+
+# --- lm-evaluation-harness ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_recipe(user_folder):
+    needs("lm_eval")
+    results = run_recipe(user_folder, "lm-evaluation-harness", ["results"])["results"]
+    ours, theirs, gpt1 = results["out/gpt2"], results["out/gpt2-transformers"], results["out/gpt1"]
+    # GPT-2 through hfgpt's code (trust_remote_code) and through transformers' GPT2LMHeadModel.
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours[metric] == pytest.approx(theirs[metric], rel=1e-6), metric
+        assert 1.0 < gpt1[metric] < float("inf"), (metric, gpt1[metric])
+    assert gpt1["byte_perplexity,none"] != ours["byte_perplexity,none"]
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_command_line_runs_gpt1_without_extra_arguments(user_folder):
+    needs("lm_eval")
+    (user_folder / "my_tasks").exists() or run_recipe(user_folder, "lm-evaluation-harness", [])
+    (command,) = (c for c in blocks("lm-evaluation-harness", "bash"))
+    assert "out/gpt1,trust_remote_code=True " in command  # no prefix_token_id or other argument
+    out = run_shell(user_folder, command)
+    assert re.search(r"my_perplexity.*byte_perplexity", out.stdout, flags=re.DOTALL), out.stdout[-3000:]
+
+
+def test_gpt1_tokenizer_names_a_bos_and_eos_inside_the_released_vocabulary(user_folder):
+    pytest.importorskip("spacy")
+    from transformers import AutoTokenizer
+
+    from hfgpt.tokenization import GPT1Tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(user_folder / "out" / "gpt1")
+    assert isinstance(tokenizer, GPT1Tokenizer)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<unk>", "<unk>")
+    assert tokenizer.bos_token_id == tokenizer.eos_token_id == 0 == tokenizer.unk_token_id
+    assert len(tokenizer) == 40478  # nothing added: the model's embedding has 40478 rows
+    text = "isn't it <unk> nice? A BOS in the text stays text."
+    plain = GPT1Tokenizer(bos_token=None, eos_token=None)
+    expected = plain.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text) == tokenizer.encode(text, add_special_tokens=False) == expected
+    assert 0 not in expected
+
+
+# --- TransformerLens --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_transformerlens_recipe(user_folder):
+    needs("transformer_lens")
+    out = run_recipe(user_folder, "TransformerLens", ["difference", "difference_from_memory", "hooked"])
+    assert out["difference"] < 1e-4
+    assert out["difference_from_memory"] < 1e-5
+    assert out["hooked"] > 10 * 2  # hooks in each of the 2 blocks and around them
+
+
+# --- CTranslate2 and the serving engines --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctranslate2_recipe(user_folder):
+    needs("ctranslate2")
+    assert run_recipe(user_folder, "CTranslate2", ["same"])["same"] == [True, True, True]
+
+
+def test_serving_engines_read_the_transformers_format(user_folder):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from hfgpt.tokenization import GPT2Tokenizer
+
+    folder = user_folder / "out" / "gpt2-transformers"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
+    assert "auto_map" not in config and not list(folder.glob("*.py"))
+    names = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as weights:
+            names |= set(weights.keys())
+    n_layer = config["n_layer"]
+    assert all(name.startswith("transformer.") for name in names), names  # vLLM's and TGI's prefix
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # the head is tied
+    assert config.get("tie_word_embeddings", True)
+    if importlib.util.find_spec("gguf") is not None:  # llama.cpp's converter maps names with this table
+        import gguf
+
+        table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, n_layer)
+        unmapped = [n for n in names if table.get_name(n, try_suffixes=(".weight", ".bias")) is None]
+        assert not unmapped, unmapped
+    assert (folder / "tokenizer.json").is_file()
+    text = "Serving engines read tokenizer.json: <|endoftext|> and ids as OpenAI's."
+    assert AutoTokenizer.from_pretrained(folder).encode(text) == GPT2Tokenizer().encode(text)
+
+
+# --- PEFT, ONNX ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_peft_lora_recipe(user_folder):
+    needs("peft")
+    out = run_recipe(user_folder, "PEFT", ["losses", "reloaded_difference", "merged_difference"])
+    assert out["losses"][-1] < 0.9 * out["losses"][0], out["losses"]
+    assert out["reloaded_difference"] < 1e-5
+    assert out["merged_difference"] < 1e-4
+
+
+@pytest.mark.slow
+def test_onnx_recipe(user_folder):
+    needs("onnx", "onnxscript", "onnxruntime")
+    assert run_recipe(user_folder, "ONNX", ["difference"])["difference"] < 1e-4
+
+
+# --- FSDP2 --------------------------------------------------------------------------------------------------
+
+
+def check_clean_checkpoint(folder: Path) -> None:
+    """What a single process's save writes: hfgpt's classes in auto_map, hfgpt's two code files only."""
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP, config["auto_map"]
+    assert config["architectures"] == ["GPTForCausalLM"]
+    assert sorted(p.name for p in folder.glob("*.py")) == sorted(REMOTE_CODE_FILES)
+    check_code_files(folder)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone (a store in memory: no port)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_wrapped_model_saves_a_checkpoint_that_loads_without_hfgpt(tmp_path, one_process_group):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, **INIT))
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPGPTForCausalLM"
+    ids, mask = torch.tensor(INPUT_IDS), torch.tensor(ATTENTION_MASK)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        expected = model.eval()(ids, attention_mask=mask).logits
+    model.reshard()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    ckpt = tmp_path / "fsdp2"
+    model.save_pretrained(ckpt, state_dict=state)
+    check_clean_checkpoint(ckpt)
+    assert not list(ckpt.glob("_fsdp*"))
+    # The class is torch's again after the save.
+    assert type(model).__name__ == "FSDPGPTForCausalLM" and type(model).__module__.startswith("torch.")
+    out = run_without_hfgpt(tmp_path, "causal-lm-logits", ckpt)
+    assert out["class"] == "GPTForCausalLM"
+    torch.testing.assert_close(torch.tensor(out["result"]), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_recipe_trains_on_two_cpu_processes(user_folder, tmp_path):
+    (script,) = blocks("Several GPUs", "python")
+    assert script.startswith("# train_fsdp2.py\n")
+    (user_folder / "train_fsdp2.py").write_text(script)
+    (command,) = (c.strip() for c in blocks("Several GPUs", "bash") if c.startswith("torchrun"))
+    out = run_shell(user_folder, command)
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
+    ckpt = user_folder / "out" / "gpt2-fsdp2"
+    check_clean_checkpoint(ckpt)
+    # The trained weights, loaded by plain transformers from the checkpoint's own code, generate what hfgpt
+    # generates from them.
+    model = GPTForCausalLM.from_pretrained(ckpt).eval()
+    before = GPTForCausalLM.from_pretrained(user_folder / "out" / "gpt2")
+    assert not torch.equal(model.transformer.wte.weight, before.transformer.wte.weight)
+    ids, mask = torch.tensor(INPUT_IDS), torch.tensor(ATTENTION_MASK)
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0
+        )
+    assert run_without_hfgpt(tmp_path, "causal-lm", ckpt)["result"] == expected.tolist()
