@@ -1,0 +1,54 @@
+"""generate() with a static cache and the decoding step compiled (transformers' `compile_config`), as
+transformers documents it: one graph with no break, compiled once and never again for later steps or a
+second call of the same shapes, and the tokens of eager decoding. GPT-2 and GPT-1 (transformers' own GPT-1
+has no cache to compile), one prompt and a left-padded batch."""
+
+import pytest
+import torch
+import transformers
+from test_modeling import TINY
+
+from hfgpt.cpu import kernelize, unkernelize
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+
+pytestmark = pytest.mark.slow
+
+
+def compiled_step_config() -> transformers.CompileConfig:
+    config = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # transformers' switch for compiling off accelerators
+    return config
+
+
+def prompts(batch: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, TINY["vocab_size"], (batch, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1:, :3] = 0  # left padding
+        ids[1:, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+# (each case compiles twice, for two batch sizes: the two models alternate between the plain model file
+# and the model with the CPU backend, whose layers step aside under compile)
+@pytest.mark.parametrize("norm, backend", [("pre", "plain"), ("post", "kernelized")])
+def test_compiled_static_cache_decoding_is_one_graph_compiled_once(norm, backend):
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm)).eval()
+    (unkernelize if backend == "plain" else kernelize)(model)
+    common = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
+    for batch in (1, 3):
+        inputs = prompts(batch)
+        eager = model.generate(**inputs, **common)
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        compiled = model.generate(**inputs, compile_config=compiled_step_config(), **common)
+        # The prompt runs eagerly; the 6 decoding steps after it run the compiled step, traced once.
+        assert counters["stats"]["unique_graphs"] == 1
+        assert dict(counters["graph_break"]) == {}
+        again = model.generate(**inputs, compile_config=compiled_step_config(), **common)
+        assert counters["stats"]["unique_graphs"] == 1  # no recompilation for a second call
+        assert dict(counters["recompiles"]) == {}
+        assert torch.equal(compiled, eager) and torch.equal(again, eager)
+        assert "_compiled_call" in vars(model)  # the compiled step really ran
