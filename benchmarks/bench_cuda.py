@@ -1085,8 +1085,8 @@ def load_figures(directory: Path = FIGURES_DIR, device: str = "cuda") -> dict[st
     return {section: json.loads(path.read_text()) for section, path in paths.items() if path.exists()}
 
 
-def _ms(row: dict | None, key: str) -> str:
-    return "-" if row is None else f"{row['extra'][key]:.2f} ms"
+def _ms(row: dict | None) -> str:
+    return "-" if row is None else f"{row['extra']['ms_per_token_step']:.2f}"
 
 
 def gpu_table(figures: dict[str, dict[str, Any]]) -> str:
@@ -1105,69 +1105,55 @@ def gpu_table(figures: dict[str, dict[str, Any]]) -> str:
         )
     lines.append("")
     if "train" in figures:
-        lines += [
-            "| training step, bf16 autocast | hfgpt | transformers | plain PyTorch |",
-            "|---|---|---|---|",
-        ]
         rows = [r for r in figures["train"]["rows"] if r["median_s"] is not None]
-        for model, case, mode in sorted({(r["model"], r["case"], r["mode"]) for r in rows}):
+        contenders = [(i, m) for i in (HFGPT, TRANSFORMERS, REFERENCE) for m in (EAGER, COMPILED)]
+        contenders = [c for c in contenders if any((r["impl"], r["mode"]) == c for r in rows)]
+        lines += [
+            "| training step, bf16 autocast: ms, MFU, peak GiB | "
+            + " | ".join(f"{i} {m}" for i, m in contenders)
+            + " |",
+            "|---" * (len(contenders) + 1) + "|",
+        ]
+        for model, case in sorted({(r["model"], r["case"]) for r in rows}, key=lambda mc: (mc[0], mc[1])):
             cells = []
-            for impl in (HFGPT, TRANSFORMERS, REFERENCE):
+            for impl, mode in contenders:
                 row = _find(rows, model, impl, mode, case)
+                peak = row and row["extra"]["peak_memory_bytes"]
                 cells.append(
                     "-"
                     if row is None
-                    else f"{row['extra']['ms_per_step']:.0f} ms, {row['rate'] / 1e3:.0f}k tok/s, MFU "
-                    f"{100 * row['extra']['mfu']:.0f}%"
-                    + (
-                        f", {row['extra']['peak_memory_bytes'] / 2**30:.1f} GiB"
-                        if row["extra"]["peak_memory_bytes"]
-                        else ""
-                    )
+                    else f"{row['extra']['ms_per_step']:.0f}, {100 * row['extra']['mfu']:.0f}%"
+                    + (f", {peak / 2**30:.1f}" if peak else "")
                 )
-            lines.append(f"| {model}, {case}, {mode} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model}, {case} | " + " | ".join(cells) + " |")
         budget = [r for r in figures["train"]["rows"] if r["case"].startswith("largest batch")]
         for model, case in sorted({(r["model"], r["case"]) for r in budget}):
-            cells = [
-                next(
-                    (
-                        str(r["extra"]["largest_batch"])
-                        for r in budget
-                        if (r["model"], r["case"], r["impl"]) == (model, case, impl)
-                    ),
-                    "-",
-                )
-                for impl in (HFGPT, TRANSFORMERS, REFERENCE)
-            ]
+            found = {
+                r["impl"]: r["extra"]["largest_batch"]
+                for r in budget
+                if (r["model"], r["case"]) == (model, case)
+            }
+            cells = [str(found[i]) if i in found and m == EAGER else "-" for i, m in contenders]
             lines.append(f"| {model}, {case} | " + " | ".join(cells) + " |")
         lines.append("")
     if "decode" in figures:
-        lines += [
-            "| greedy decoding, ms a token (floor) | hfgpt | transformers |",
-            "|---|---|---|",
-        ]
         rows = [r for r in figures["decode"]["rows"] if r["median_s"] is not None]
+        kinds = [k for k in DECODE_KINDS if any(r["mode"].startswith(k) for r in rows)]
+        lines += [
+            "| greedy decoding, ms a token: hfgpt (transformers) | floor | " + " | ".join(kinds) + " |",
+            "|---" * (len(kinds) + 2) + "|",
+        ]
         for model, case in sorted({(r["model"], r["case"]) for r in rows}):
-            for kind in DECODE_KINDS:
-                ours = _find(rows, model, HFGPT, kind, case)
-                theirs = _find(rows, model, TRANSFORMERS, kind, case) or next(
-                    (
-                        r
-                        for r in rows
-                        if r["impl"] == TRANSFORMERS
-                        and r["model"] == model
-                        and r["case"] == case
-                        and r["mode"].startswith(kind)
-                    ),
-                    None,
+            mine = [r for r in rows if (r["model"], r["case"]) == (model, case)]
+            cells = []
+            for kind in kinds:
+                ours = next((r for r in mine if r["impl"] == HFGPT and r["mode"] == kind), None)
+                theirs = next(
+                    (r for r in mine if r["impl"] == TRANSFORMERS and r["mode"].startswith(kind)), None
                 )
-                if ours is None and theirs is None:
-                    continue
-                floor = (ours or theirs)["extra"]["floor_with_cache_ms_per_step"]
-                lines.append(
-                    f"| {model}, {case.split(',')[0]}, {kind} ({floor:.2f} ms) | {_ms(ours, 'ms_per_token_step')} | "
-                    f"{_ms(theirs, 'ms_per_token_step')} |"
-                )
+                cells.append(f"{_ms(ours)} ({_ms(theirs)})")
+            floor = mine[0]["extra"]["floor_with_cache_ms_per_step"]
+            lines.append(f"| {model}, {case} | {floor:.2f} | " + " | ".join(cells) + " |")
         lines.append("")
     checks = [c for report in figures.values() for c in report.get("checks", [])]
     if checks:
