@@ -402,6 +402,8 @@ OTHER_FIGURES = {
     "ab-cpu-products-gpt2.json",  # ab_cpu_products.py --family gpt2
     "lowp-accuracy-cpu.json",  # lowp_accuracy.py
     "step-breakdown-gpt2.json",  # step_breakdown.py
+    "figures-cuda-training.json",  # bench_cuda.py (a GPU run)
+    "figures-cuda-decoding.json",  # bench_cuda.py (a GPU run)
 }
 
 

@@ -73,7 +73,8 @@ def commands(code: str) -> list[str]:
 
 def test_readme_is_short_and_free_of_development_history():
     text = README.read_text()
-    assert len(text.splitlines()) <= 250
+    # (250 until the GPU table: bench_cuda.py's "Speed on a GPU" takes about 20 lines once measured)
+    assert len(text.splitlines()) <= 275
     # No commit hashes, run letters or session names: those belong to git history.
     hashes = [
         w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search("[a-f]", w)

@@ -1,0 +1,198 @@
+"""Smoke run of benchmarks/bench_cuda.py (the GPU section) on the CPU at tiny size: every section and row
+kind produces figures with sane fields, the plain-PyTorch reference computes hfgpt's loss on the same
+weights, and `--update-docs` writes the README's table from a figures file.
+
+Speed is never asserted: the figures come from a GPU run of the benchmark."""
+
+import json
+import math
+from pathlib import Path
+
+import bench_cuda  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_reports(tmp_path_factory):
+    """Both sections, tiny, eager only (compiling takes tens of seconds on the CPU; one compiled row is
+    run by its own test below)."""
+    out = tmp_path_factory.mktemp("bench-cuda")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a busy machine: faster without OpenMP barriers
+    try:
+        assert bench_cuda.main(["--tiny", "--device", "cpu", "--no-compile", "--json-dir", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return {
+        section: json.loads(bench_cuda.figures_path(out, "cpu", section).read_text())
+        for section in bench_cuda.SECTIONS
+    }, out
+
+
+def test_training_rows_have_every_eager_contender_and_sane_figures(tiny_reports):
+    report = tiny_reports[0]["train"]
+    assert report["errors"] == [] and report["skipped"] == []
+    assert report["machine"]["torch"] == torch.__version__ and report["machine"]["transformers"]
+    assert report["date"] and report["settings"]["mfu_formula"]
+    timed = [r for r in report["rows"] if r["median_s"] is not None]
+    seen = {(r["impl"], r["mode"], r["case"].rsplit(" ", 1)[1]) for r in timed}
+    assert seen == {("hfgpt", "eager", "0.1"), ("transformers", "eager", "0.1"), ("reference", "eager", "0")}
+    for row in timed:
+        ex = row["extra"]
+        assert row["min_s"] <= row["median_s"] <= row["max_s"] and row["n"] == 2
+        assert row["rate"] == pytest.approx(2 * 32 / row["median_s"])
+        assert ex["mfu"] == pytest.approx(
+            ex["flops_per_step"] / row["median_s"] / report["hardware"]["bf16_matmul_flops_per_s"]
+        )
+        assert ex["peak_memory_bytes"] is None  # (no CUDA allocator to ask on the CPU)
+        assert math.isfinite(ex["first_loss"])
+    budget = [r for r in report["rows"] if r["case"].startswith("largest batch")]
+    assert {r["impl"] for r in budget} == {"hfgpt", "transformers", "reference"}
+    for row in budget:  # on the CPU every batch up to the profile's most tried fits
+        assert row["extra"]["largest_batch"] == 4 and row["extra"]["capped_at_most_tried"]
+    claims = {c["claim"]: c for c in report["checks"]}
+    assert claims["GPT-2 124M: compiled step, hfgpt / reference speed, dropout 0"]["value"] is None
+    assert claims["GPT-2 124M: eager step, hfgpt / transformers speed, dropout 0.1"]["value"] > 0
+
+
+def test_decoding_rows_have_every_kind_and_the_same_tokens(tiny_reports):
+    report = tiny_reports[0]["decode"]
+    assert report["errors"] == [] and report["skipped"] == []
+    rows = report["rows"]
+    for model in ("GPT-2 124M", "GPT-1"):
+        for batch in (1, 3):
+            mine = {
+                (r["impl"], r["mode"])
+                for r in rows
+                if r["model"] == model and r["case"].startswith(f"B={batch},")
+            }
+            expected = {("hfgpt", "dynamic cache"), ("hfgpt", "continuous batching")}
+            if model == "GPT-1":  # transformers' GPT-1 has no cache: one row, recomputing
+                expected.add(("transformers", "dynamic cache (no KV cache: recomputes)"))
+            else:
+                expected |= {("transformers", "dynamic cache"), ("transformers", "continuous batching")}
+            assert mine == expected, (model, batch)
+    for row in rows:
+        ex = row["extra"]
+        assert row["rate"] == pytest.approx(int(row["case"][2:].split(",")[0]) * 6 / row["median_s"])
+        assert ex["ms_per_token_step"] == pytest.approx(1000 * row["median_s"] / 6)
+        assert 0 < ex["floor_ms_per_step"] < ex["floor_with_cache_ms_per_step"]
+        # float32 would agree everywhere; in bfloat16 a batch of other rows may round differently
+        if row["impl"] == "hfgpt" and row["mode"] == "dynamic cache":
+            assert ex["tokens_equal_hfgpt_dynamic"] is True
+
+
+def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
+    """The plain-PyTorch contender is a real GPT-2: on transformers' weights copied into both, its loss
+    equals hfgpt's (and transformers') loss, and so do the gradients of the embedding."""
+    config = bench_cuda.gpt_config("gpt2", bench_cuda.PROFILES["tiny"]["model_overrides"], 0.0)
+    state = bench_cuda.transformers_model(config).state_dict()
+    ids = torch.randint(0, config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    losses, grads = {}, {}
+    for impl in (bench_cuda.HFGPT, bench_cuda.TRANSFORMERS, bench_cuda.REFERENCE):
+        model = bench_cuda.build_contender(impl, config, state).train()
+        loss = bench_cuda.loss_of(model, ids)
+        loss.backward()
+        losses[impl] = loss.detach()
+        wte = model.wte if impl == bench_cuda.REFERENCE else model.transformer.wte
+        grads[impl] = wte.weight.grad
+    torch.testing.assert_close(losses["reference"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses["transformers"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["reference"], grads["hfgpt"], rtol=1e-4, atol=1e-6)
+
+
+def test_largest_fitting_doubles_then_bisects():
+    limit = 37
+    tried = []
+
+    def fits(batch):
+        tried.append(batch)
+        return batch <= limit
+
+    assert bench_cuda.largest_fitting(fits, 8, 512, 1) == limit
+    assert tried[:4] == [8, 16, 32, 64]  # doubling until the first failure, then halving the gap
+    assert bench_cuda.largest_fitting(lambda b: b <= 3, 8, 512, 1) == 3  # below the first try
+    assert bench_cuda.largest_fitting(lambda b: True, 8, 100, 1) == 100  # capped at the most tried
+    assert bench_cuda.largest_fitting(lambda b: False, 8, 100, 1) == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_training_row_and_compiled_decoding_rows_run(tmp_path):
+    """One compiled training contender, and the static-cache and CUDA-graph decoding rows (on the CPU the
+    latter compiles without graphs), through the same functions as the GPU run."""
+    profile = bench_cuda.PROFILES["tiny"]
+    ctx = bench_cuda.Context(
+        device="cpu",
+        profile_name="tiny",
+        profile={
+            **profile,
+            "train_groups": ((0.0, ((bench_cuda.REFERENCE, bench_cuda.COMPILED),)),),
+            "decode_kinds": {"gpt2": (bench_cuda.DYNAMIC, bench_cuda.STATIC)},
+            "decode_batches": (2,),
+        },
+        hardware=bench_cuda.measure_hardware("cpu", profile),
+        compile=True,
+        memory_budget_gib=1.0,
+        deadline=math.inf,
+    )
+    bench_cuda.train_rows(ctx, "gpt2")
+    bench_cuda.decode_rows(ctx, "gpt2")
+    assert ctx.errors == []
+    modes = {(r["section"], r["impl"], r["mode"]) for r in map(vars, ctx.rows)}
+    assert ("train", "reference", "compiled") in modes
+    assert {("decode", impl, "static cache + compile") for impl in ("hfgpt", "transformers")} <= modes
+    for row in ctx.rows:
+        ex = row.extra
+        if row.mode == "static cache + compile":
+            assert ex["first_call_s (compile)"] > 0 and ex["tokens_equal_hfgpt_dynamic"] is not None
+        if row.section == "train":
+            assert ex["first_step_s (compile)"] > row.median_s
+
+
+def test_out_of_time_rows_are_named_as_skipped():
+    ctx = bench_cuda.Context("cpu", "tiny", bench_cuda.PROFILES["tiny"], {}, False, 1.0, deadline=-math.inf)
+    bench_cuda.train_rows(ctx, "gpt2")
+    assert ctx.rows == [] and len(ctx.skipped) == 3  # (the eager contenders: compile is off here)
+    assert all(s.startswith("train gpt2") for s in ctx.skipped)
+
+
+def test_update_docs_writes_the_table_from_the_figures(tiny_reports, tmp_path):
+    _, figures_dir = tiny_reports
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"# x\n\n{bench_cuda.README_GPU_TABLE}\nold\n<!-- end of generated table -->\n\nafter\n"
+    )
+    cuda_dir = tmp_path / "figures"
+    cuda_dir.mkdir()
+    for section in bench_cuda.SECTIONS:  # (the tiny run's files, as if a GPU had made them)
+        src = bench_cuda.figures_path(figures_dir, "cpu", section)
+        bench_cuda.figures_path(cuda_dir, "cuda", section).write_text(src.read_text())
+    bench_cuda.update_docs(cuda_dir, readme)
+    text = readme.read_text()
+    assert "\nold\n" not in text and text.endswith("<!-- end of generated table -->\n\nafter\n")
+    assert "| training step, bf16 autocast: ms, MFU, peak GiB | hfgpt eager | transformers eager |" in text
+    assert "| GPT-2 124M, B=1, 6+6 tokens, bf16 weights |" not in text  # (8 prompt tokens in tiny)
+    assert "| GPT-2 124M, B=1, 8+6 tokens, bf16 weights |" in text and "| GPT-1, B=3, 8+6 tokens" in text
+    assert "largest batch x32 in 40 GiB" in text and "Claims of the issues that hold:" in text
+    # Without figures the region says so, and invents nothing.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bench_cuda.update_docs(empty, readme)
+    assert bench_cuda.NO_RUN_YET in readme.read_text() and "| training step" not in readme.read_text()
+
+
+def test_readme_has_the_gpu_region_made_from_the_committed_figures():
+    text = (ROOT / "README.md").read_text()
+    first, last = bench_cuda.marked_region(text, bench_cuda.README_GPU_TABLE)
+    assert text[first:last].strip() == bench_cuda.gpu_table(bench_cuda.load_figures()), (
+        "stale table: run python benchmarks/bench_cuda.py --update-docs"
+    )
+
+
+def test_cuda_is_refused_where_there_is_none(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_cuda.main(["--tiny"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
