@@ -136,3 +136,28 @@ def test_hub_tests_pass_in_an_offline_users_environment_and_leave_their_hf_home_
     assert summary.startswith(f"{len(SELECTION) + 2} passed"), summary  # the training test has 3 cases
     assert "skipped" not in summary and "failed" not in summary
     assert _snapshot(user_home) == before
+
+
+def test_constants_read_before_the_session_began_are_set_again(tmp_path: Path) -> None:
+    """A plugin that imports huggingface_hub before tests/conftest.py (here `-p huggingface_hub.constants`)
+    leaves constants read from the user's environment: the session sets them to its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(USERS_ENVIRONMENT, HF_HOME=str(tmp_path / "users-hf-home"))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    proc = subprocess.run(
+        [
+            *command,
+            "-p",
+            "huggingface_hub.constants",
+            f"--basetemp={tmp_path / 'inner'}",
+            "tests/test_hub_environment.py::test_session_is_offline_tokenless_and_in_a_private_hf_home",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("1 passed")
+    assert not (tmp_path / "users-hf-home").exists()
