@@ -1,7 +1,11 @@
 """Shared test settings. The fixtures under tests/fixtures are copies of ../shared/fixtures so the suite
 runs from a lone clone of the project."""
 
+import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,92 @@ import torch
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2_FIXTURE = FIXTURES / "openai-gpt2-tiny"
 GPT1_FIXTURE = FIXTURES / "openai-gpt1-tiny"
+
+# --- the Hub environment of the test session ---------------------------------------------------------------
+# huggingface_hub, transformers and datasets read their settings from the environment once, when imported
+# (offline switch, endpoint, HF_HOME and the caches and token file under it), and every subprocess a test
+# starts inherits the environment. So before any test module is imported, the session replaces whatever the
+# user has set (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, HF_TOKEN, HF_HOME, HF_ENDPOINT, progress bars, ...)
+# with one fixed environment: no token, a private HF_HOME in a temporary folder (the user's cache, saved
+# login and token are never read or written), and offline (no test reaches the real Hub). The tests that
+# talk to the stand-in Hub of tests/hub_server.py go online to it through the `use_test_hub` fixture.
+HUB_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_")
+_session_env = pytest.MonkeyPatch()
+_session_hf_home: Path | None = None
+
+
+def session_hub_env(hf_home: Path) -> dict[str, str | None]:
+    """The Hub variables of the test session: `None` for every one the user had set, then our own."""
+    env: dict[str, str | None] = {name: None for name in os.environ if name.startswith(HUB_ENV_PREFIXES)}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    return env
+
+
+def _sync_imported_hub_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where huggingface_hub was imported before this conftest (by a plugin), its constants hold the user's
+    environment: they are set to what a fresh import in the session's environment gives."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is None:
+        return
+    spec = importlib.util.spec_from_file_location("_hfgpt_fresh_hub_constants", constants.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    for name, value in vars(fresh).items():
+        if name.isupper() and getattr(constants, name, None) != value:
+            monkeypatch.setattr(constants, name, value)
+    transformers_hub = sys.modules.get("transformers.utils.hub")
+    if transformers_hub is not None:
+        monkeypatch.setattr(transformers_hub, "HF_MODULES_CACHE", os.path.join(fresh.HF_HOME, "modules"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _session_hf_home
+    _session_hf_home = Path(tempfile.mkdtemp(prefix="hfgpt-tests-hf-home-"))
+    for name, value in session_hub_env(_session_hf_home).items():
+        if value is None:
+            _session_env.delenv(name)
+        else:
+            _session_env.setenv(name, value)
+    _sync_imported_hub_constants(_session_env)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _session_env.undo()
+    if _session_hf_home is not None:
+        shutil.rmtree(_session_hf_home, ignore_errors=True)
+
+
+def point_at_test_hub(monkeypatch: pytest.MonkeyPatch, url: str, token: str | None = None) -> None:
+    """Points this process's Hub clients (huggingface_hub, transformers) and the subprocesses that inherit
+    its environment at the stand-in Hub at `url`: online, `url` as the endpoint, uploads through LFS (the
+    stand-in speaks no Xet), and `token` as HF_TOKEN (none when None); `monkeypatch` undoes it all."""
+    import huggingface_hub.constants as constants
+
+    url = url.rstrip("/")
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    if token is not None:
+        monkeypatch.setenv("HF_TOKEN", token)
+    # What huggingface_hub would have read from that environment at import; it reads these per call.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+
+
+@pytest.fixture
+def use_test_hub(monkeypatch: pytest.MonkeyPatch):
+    """`use_test_hub(url, token=None)`: `point_at_test_hub` for this test; the session's offline
+    environment is back after it."""
+
+    def point(url: str, token: str | None = None) -> None:
+        point_at_test_hub(monkeypatch, url, token)
+
+    return point
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard, get_hf_file_metadata, hf_hub_download, hf_hub_url
@@ -85,17 +84,19 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(autouse=True)
-def no_xet_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pushes made in this process must use LFS too; huggingface_hub read HF_HUB_DISABLE_XET at import,
-    and reads the constant again on each upload (utils/_runtime.is_xet_available)."""
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
-
-
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory):
     with HubServer(tmp_path_factory.mktemp("hub")) as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def online_to_the_test_hub(use_test_hub, hub: HubServer) -> None:
+    """The clients in this process talk to the test Hub whatever the user's environment (the session is
+    offline, tests/conftest.py): online, and pushing through LFS, as huggingface_hub reads
+    HF_HUB_DISABLE_XET again on each upload (utils/_runtime.is_xet_available). No token: each call here
+    passes its own."""
+    use_test_hub(hub.url)
 
 
 @pytest.fixture(scope="module")
@@ -369,9 +370,10 @@ def test_token_is_never_written(pushed: dict, checkpoints: dict[str, Path]) -> N
 
 
 def test_push_interrupted_by_a_stopped_server_is_reported_and_a_retry_completes_it(
-    tmp_path: Path, checkpoints: dict[str, Path]
+    tmp_path: Path, checkpoints: dict[str, Path], use_test_hub
 ) -> None:
     hub = HubServer(tmp_path / "hub").start()
+    use_test_hub(hub.url)
     try:
         hub.fail_on.add("commit")  # the server stops when the commit arrives, after the LFS upload
         env = client_env(hub, tmp_path / "home")

@@ -9,7 +9,6 @@ import re
 import sys
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 from huggingface_hub import EvalResult, HfApi, ModelCard
@@ -31,9 +30,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def validating_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> HubServer:
-    # ModelCard.validate posts to f"{constants.ENDPOINT}/api/validate-yaml", reading the constant per call.
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+def validating_hub(hub: HubServer, use_test_hub) -> HubServer:
+    # ModelCard.validate posts to f"{constants.ENDPOINT}/api/validate-yaml", reading the constant per call;
+    # use_test_hub sets it, and turns the session's offline switch off for the test.
+    use_test_hub(hub.url)
     return hub
 
 

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import bench_model  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
-import huggingface_hub.constants
 import pytest
 from huggingface_hub import HfApi
 
@@ -205,16 +204,16 @@ def _corpus(folder: Path) -> None:
 
 
 @pytest.fixture
-def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def user_folder(tmp_path: Path, use_test_hub):
     """The working folder and environment of a user who downloaded OpenAI's releases, with a Hub."""
     work = tmp_path / "work"
     shutil.copytree(FIXTURES / "openai-gpt2-tiny", work / "models" / "124M")
     shutil.copytree(FIXTURES / "openai-gpt1-tiny", work / "finetune-transformer-lm" / "model")
     _corpus(work)
     # The Hub's copy of GPT-2 in transformers' own layout, as openai-community/gpt2 is.
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # the test Hub speaks LFS
     tokens = {"hf_readme_openai": "openai-community", "hf_readme_you": "you"}
     with HubServer(tmp_path / "hub", tokens=tokens) as hub:
+        use_test_hub(hub.url)  # this process uploads the Hub's copy: online, through LFS
         hub_copy = convert_openai_checkpoint(
             FIXTURES / "openai-gpt2-tiny", tmp_path / "hub-gpt2", format="transformers"
         )

@@ -315,7 +315,7 @@ def test_validation_file_is_read_with_its_own_column_types(tmp_path):
     assert raw["validation"]["body"] == ["a dog ran"] and raw["train"].num_rows == 10
 
 
-def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypatch):
+def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, use_test_hub):
     """--push_to_hub goes through hfgpt-push to a Hub (here the loopback test Hub) after the final save."""
     import huggingface_hub
 
@@ -324,10 +324,7 @@ def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypat
 
     token = next(iter(DEFAULT_TOKENS))
     with HubServer(tmp_path / "hub") as hub:
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
-        monkeypatch.setattr(
-            huggingface_hub.constants, "HF_HUB_DISABLE_XET", True
-        )  # the test Hub speaks LFS only
+        use_test_hub(hub.url)  # online, the test Hub as the endpoint, LFS uploads (it speaks no Xet)
         argv = _argv(corpus, tmp_path / "out", "--max_steps", "1", "--eval_strategy", "no")
         argv += [
             "--push_to_hub",
@@ -358,7 +355,7 @@ def test_push_to_hub_uploads_the_finished_checkpoint(tmp_path, corpus, monkeypat
     assert not any(name.startswith("checkpoint-") for name in files)
 
 
-def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_path, corpus, monkeypatch):
+def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_path, corpus, use_test_hub):
     """As with Trainer, `--push_to_hub` alone pushes to `<token's user>/<output_dir's name>` (TrainingArguments:
     hub_model_id "will default to user_name/output_dir_name"); a name without a namespace was refused after
     training."""
@@ -369,8 +366,7 @@ def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_
 
     token = next(iter(DEFAULT_TOKENS))
     with HubServer(tmp_path / "hub") as hub:
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
-        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        use_test_hub(hub.url)
         argv = _argv(corpus, tmp_path / "my-run", "--max_steps", "1", "--eval_strategy", "no")
         argv += ["--push_to_hub", "true", "--hub_token", token]
         metrics = train_lm(*_parse(argv))
@@ -391,16 +387,14 @@ def test_push_to_hub_without_hub_model_id_goes_to_the_users_output_dir_name(tmp_
         ),  # so does a full id
     ],
 )
-def test_push_to_hub_problems_stop_before_training(tmp_path, corpus, monkeypatch, hub_args, message):
+def test_push_to_hub_problems_stop_before_training(tmp_path, corpus, use_test_hub, hub_args, message):
     """A repo id the Hub would refuse, or a token it refuses, is an input error before any training step,
     not after the whole run."""
-    import huggingface_hub
-
     sys.path.insert(0, str(Path(__file__).parent))
     from hub_server import HubServer
 
     with HubServer(tmp_path / "hub") as hub:
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        use_test_hub(hub.url)
         argv = _argv(corpus, tmp_path / "run", "--max_steps", "1", "--eval_strategy", "no")
         with pytest.raises(TrainingInputError, match=message):
             train_lm(*_parse([*argv, "--push_to_hub", "true", *hub_args]))
