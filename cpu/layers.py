@@ -221,7 +221,7 @@ def causal_lm_forward(
         labels is None
         or getattr(self, "_loss_function", None) is not None
         or logits_to_keep != 0
-        or self.lm_head.weight.device.type != "cpu"  # elsewhere the plain model's fused head and loss
+        or self.transformer.wte.weight.device.type != "cpu"  # elsewhere the plain model's fused loss
     ):
         return plain(
             input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds,
