@@ -100,7 +100,7 @@ static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
 }
 #define QUANTIZE_BLOCK 1
 #elif ISA > 0
-#define ROWS 2 /* (4 rows over half a tile at a time, whose accumulators AVX2's 16 registers hold, measured no faster) */
+#define ROWS 2 /* (4 rows over half a tile at a time, which fit AVX2's 16 registers, measured no faster) */
 /* As the AVX-512 version: the same divisions and round-half-even as the portable loop, 8 lanes at a time. */
 static inline int32_t quantize_block(const float *x, int8_t *xq, float *s_out)
 {
