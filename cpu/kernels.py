@@ -630,6 +630,5 @@ def _(attention: Tensor, hidden: Tensor, *_: object) -> Tensor:
 
 
 def int8_fused_available() -> bool:
-    """Whether `int8_norm_linear` and `int8_block_tail` run here (csrc/int8_linear.c built with AVX-512
-    VNNI)."""
+    """Whether `int8_norm_linear` and `int8_block_tail` run here: csrc/int8_linear.c is built (on any CPU)."""
     return available("int8_linear") and bool(native.kernel("int8_linear").hfgpt_int8_fused_available())

@@ -136,8 +136,9 @@ class Int8Linear(nn.Module):
     inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised
     layers: the outputs never require one).
 
-    The product runs in hfgpt's C kernel (`cpu/csrc/int8_linear.c`, AVX-512 VNNI where the CPU has it,
-    built on first use by `hfgpt.cpu.native`; `torch.ops.hfgpt.int8_linear`): it reads the packed weight once per call, one contiguous
+    The product runs in hfgpt's C kernel (`cpu/csrc/int8_linear.c`: AVX-512 VNNI, AVX-VNNI or AVX2 where the
+    CPU has it, with the same results, a portable loop elsewhere; built on first use by `hfgpt.cpu.native`;
+    `torch.ops.hfgpt.int8_linear`): it reads the packed weight once per call, one contiguous
     stream per 32 output channels, so one decoding step is bound by memory, not arithmetic, and the one
     stream reads GPT-2's weights at one row faster than torch.ao's fbgemm product (benchmarks/RESULTS.md).
     Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per

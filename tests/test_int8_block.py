@@ -15,8 +15,8 @@ from hfgpt.modeling import GPTConfig, GPTForCausalLM
 def fused_kernel():
     """The kernel library (built in the test session's cache folder, conftest.py)."""
     library = native.kernel("int8_linear")
-    if library is None or not library.hfgpt_int8_fused_available():
-        pytest.skip("the fused int8 block needs the C kernel built for AVX-512 VNNI")
+    if library is None:
+        pytest.skip("no C compiler to build the int8 kernel with")
     return library
 
 

@@ -1,7 +1,9 @@
-"""hfgpt's int8 linear kernel (modeling/csrc/int8_linear.c, built by modeling/native.py) against the torch
-reference of the same arithmetic, and the builder's caching and failure paths."""
+"""hfgpt's int8 linear kernel (cpu/csrc/int8_linear.c, built by cpu/native.py) against the torch reference
+of the same arithmetic, each of its instruction-set paths against its portable one, and the builder's
+caching and failure paths."""
 
 import os
+import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -11,32 +13,86 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
 
-from hfgpt.cpu import native
+from hfgpt.cpu import kernels, native
 from hfgpt.cpu.quantization import INT8_BLOCK, Int8Linear, quantize_activations
+
+
+def _has_compiler() -> bool:
+    return shutil.which((shlex.split(os.environ.get("CC", "")) or ["cc"])[0]) is not None
+
 
 # The kernel is built with the machine's C compiler (CI has one). Without it hfgpt falls back to the torch
 # reference, which the other tests here exercise.
-needs_cc = pytest.mark.skipif(
-    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler to build the int8 kernel with"
-)
+needs_cc = pytest.mark.skipif(not _has_compiler(), reason="no C compiler to build the int8 kernel with")
 
 SHAPES = [(1, 1), (37, 45), (33, 64), (64, 200), (96, 130)]  # (out, in): tails of tiles and blocks
 ROWS = [1, 2, 3, 4, 5, 9]
 
+# The int8 products of csrc/int8_linear.c (`hfgpt_int8_vectorized()`): the number each path reports, the
+# flags that build it with -march=native on a CPU that has more (x86 compilers), and the CPU flags it needs.
+ISA_PATHS = {
+    "avx512_vnni": (3, (), {"avx512f", "avx512bw", "avx512_vnni"}),
+    "avx_vnni": (2, ("-mno-avx512f",), {"avx2", "fma", "avx_vnni"}),
+    "avx2": (1, ("-mno-avx512f", "-mno-avxvnni"), {"avx2", "fma"}),
+}
 
-def _cpu_has_vnni() -> bool:
+
+def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+        return set()
+    return set(
+        next((line for line in text.splitlines() if line.startswith("flags")), "").split(":")[-1].split()
+    )
+
+
+def native_isa() -> int:
+    """The path -march=native builds on this CPU: the widest whose instructions it has."""
+    flags = _cpu_flags()
+    return max((isa for isa, _, needs in ISA_PATHS.values() if needs <= flags), default=0)
 
 
 def portable_library(directory: Path, name: str = "int8_linear"):
-    """csrc/{name}.c built without -march=native: its portable path (no AVX-512, no VNNI)."""
+    """csrc/{name}.c built without -march=native: its portable path (no AVX2, no VNNI)."""
     flags = tuple(f for f in native.FLAGS if f != "-march=native")
     return native.load(native.build(name, flags, directory), name)
+
+
+@pytest.fixture(scope="module")
+def isa_libraries(tmp_path_factory) -> dict:
+    """The portable build and each instruction-set path this CPU runs, built once for the module."""
+    if not _has_compiler():
+        pytest.skip("no C compiler to build the int8 kernel with")
+    directory = tmp_path_factory.mktemp("int8-paths")
+    libraries = {"portable": portable_library(directory)}
+    for path, (_, extra, needs) in ISA_PATHS.items():
+        if needs <= _cpu_flags():
+            libraries[path] = native.load(
+                native.build("int8_linear", native.FLAGS + extra, directory), "int8_linear"
+            )
+    return libraries
+
+
+def isa_library(libraries: dict, path: str):
+    """The library of `path`, or a skip naming the instructions this CPU lacks for it."""
+    if path not in libraries:
+        needs = ", ".join(sorted(ISA_PATHS[path][2] - _cpu_flags()))
+        pytest.skip(f"the {path} path needs a CPU with {needs}")
+    return libraries[path]
+
+
+def _c_product(library, layer: Int8Linear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    """`layer`'s product of the rows of `x` in `library`'s `hfgpt_int8_linear`."""
+    rows = x.shape[0]
+    y = torch.full((rows, layer.out_features), float("nan"))
+    status = library.hfgpt_int8_linear(
+        x.data_ptr(), rows, layer.in_features, layer.in_features, layer.packed.data_ptr(), layer.out_features,
+        layer.packed_in, layer.scale.data_ptr(), None if layer.bias is None else layer.bias.data_ptr(),
+        y.data_ptr(), layer.out_features, threads,
+    )  # fmt: skip
+    assert status == 0
+    return y
 
 
 def _layer(out: int, inp: int, bias: bool = True, seed: int = 0) -> Int8Linear:
@@ -73,11 +129,11 @@ def _c_quantize(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 @needs_cc
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
-def test_activation_quantisation_is_bit_exact(portable, tmp_path):
+@pytest.mark.parametrize("path", ["native", "portable", *ISA_PATHS])
+def test_activation_quantisation_is_bit_exact(path, isa_libraries):
     """The C kernel's int8 activations and scales equal `quantize_activations` exactly, ties to even
-    included (x / s = k + 0.5), in whole blocks (vectorised) and in a partial last block."""
-    library = portable_library(tmp_path) if portable else native.kernel("int8_linear")
+    included (x / s = k + 0.5), in whole blocks (vectorised) and in a partial last block, on every path."""
+    library = native.kernel("int8_linear") if path == "native" else isa_library(isa_libraries, path)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(8, 200, generator=generator) * torch.logspace(-3, 3, 8)[:, None]
     x[0, :64] = torch.arange(64) - 31.5  # a ramp
@@ -147,25 +203,95 @@ def test_kernel_result_does_not_depend_on_the_thread_count():
 
 
 @needs_cc
-def test_portable_build_matches_too(tmp_path):
-    """The C file's portable path (no AVX-512 VNNI), built here without -march=native."""
-    library = portable_library(tmp_path)
+def test_portable_build_matches_too(isa_libraries):
+    """The C file's portable path, built here without -march=native."""
+    library = isa_libraries["portable"]
     assert library.hfgpt_int8_vectorized() == 0
     layer = _layer(70, 130)
     x = torch.randn(5, 130)
-    y = torch.empty(5, 70)
-    status = library.hfgpt_int8_linear(
-        x.data_ptr(), 5, 130, 130, layer.packed.data_ptr(), 70, layer.packed_in,
-        layer.scale.data_ptr(), layer.bias.data_ptr(), y.data_ptr(), 70, 2,
-    )  # fmt: skip
-    assert status == 0
-    _close(y, layer.reference(x))
+    _close(_c_product(library, layer, x), layer.reference(x))
 
 
 @needs_cc
-def test_native_build_is_vectorized_where_the_cpu_has_vnni():
+@pytest.mark.parametrize("path", ISA_PATHS)
+def test_each_isa_path_gives_the_portable_paths_products(path, isa_libraries):
+    """Each instruction-set path against the portable one (whose float sums the compiler contracts as it
+    chooses: to rounding), and bit for bit against the AVX2 path, which every CPU running another path
+    also runs: the same int32 sums, then the same float operations in the same order. Rows that fill and
+    that do not fill a path's group of rows, tails of tiles and blocks, activations at +-127 in every block
+    (the AVX2 path's int16 pairs at their largest), with and without a bias."""
+    library = isa_library(isa_libraries, path)
+    assert library.hfgpt_int8_vectorized() == ISA_PATHS[path][0]
+    for (out, inp), bias in zip([*SHAPES, (300, 768), (40, 3072)], [True, False] * 4, strict=False):
+        layer = _layer(out, inp, bias, seed=out)
+        for rows in ROWS:
+            x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
+            x[:, ::7] = 1e3 * torch.sign(x[:, ::7])
+            got = _c_product(library, layer, x)
+            _close(got, _c_product(isa_libraries["portable"], layer, x))
+            _close(got, layer.reference(x))
+            assert torch.equal(got, _c_product(isa_libraries["avx2"], layer, x)), (out, inp, rows)
+
+
+@needs_cc
+def test_the_avx2_int16_pairs_never_saturate(isa_libraries):
+    """VPMADDUBSW sums two products in int16 with saturation; the AVX2 path keeps each pair within
+    2 * 127 * 127: with every weight and activation at +-127, of equal and of mixed signs, each output is
+    the exact integer sum times the scales, to float rounding."""
+    library = isa_library(isa_libraries, "avx2")
+    out, inp = 64, 256
+    mixed = torch.where(torch.rand(out, inp, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0)
+    for weight in (torch.ones(out, inp), -torch.ones(out, inp), mixed):
+        layer = Int8Linear.from_float(weight)
+        assert layer.int8_weight().abs().min() == 127
+        for x in (torch.ones(3, inp), -torch.ones(3, inp), mixed[:3]):  # q = +-127, scale 1 / 127
+            exact = (127 * x.double()) @ layer.int8_weight().double().t() / 127 * layer.scale.double()
+            got = _c_product(library, layer, x).double()
+            torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)  # (a saturated pair: ~50% off)
+
+
+@needs_cc
+@pytest.mark.parametrize("path", ISA_PATHS)
+def test_each_isa_path_gives_the_portable_paths_blocks(path, isa_libraries, monkeypatch):
+    """The fused block's entry points (`int8_norm_linear`, `int8_block_tail`, pre-norm and post-norm) on
+    each instruction-set path against the portable build: the same products, layer norms and GELU to float
+    rounding, which the int8 copy of a next product can turn into one quantisation step of an input now
+    and then."""
+    library = isa_library(isa_libraries, path)
+    generator = torch.Generator().manual_seed(6)
+    width, inner, rows = 128, 512, 3
+    shapes = ((3 * width, width), (width, width), (inner, width), (width, inner))
+    layers = [_layer(out, inp, seed=out + inp) for out, inp in shapes]
+    hidden = torch.randn(1, rows, width, generator=generator) * 2
+    attention = torch.randn(rows, width, generator=generator)
+    norms = [
+        1 + 0.1 * torch.randn(width, generator=generator),
+        0.1 * torch.randn(width, generator=generator),
+    ] * 2
+    tail_layers = [t for layer in layers[1:] for t in (layer.packed, layer.scale)]
+
+    def block(chosen) -> list[torch.Tensor]:
+        monkeypatch.setattr(kernels, "_library", lambda name: chosen)
+        qkv = kernels.int8_norm_linear(
+            hidden, *norms[:2], 1e-5, layers[0].packed, layers[0].scale, layers[0].bias
+        )
+        return [qkv] + [
+            kernels.int8_block_tail(
+                attention, hidden, pre_norm, norms, 1e-5, tail_layers, [layer.bias for layer in layers[1:]]
+            )
+            for pre_norm in (True, False)
+        ]
+
+    for got, want in zip(block(library), block(isa_libraries["portable"]), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+
+
+@needs_cc
+def test_native_build_runs_the_widest_int8_products_of_the_cpu():
     library = native.kernel("int8_linear")
-    assert library.hfgpt_int8_vectorized() == int(_cpu_has_vnni())
+    assert library.hfgpt_int8_vectorized() == native_isa()
+    assert library.hfgpt_int8_fused_available() == 1  # the fused block, on every CPU
+    assert kernels.int8_fused_available()
 
 
 def test_inputs_of_any_layout_and_leading_shape():
