@@ -17,7 +17,7 @@ needs_fused_int8 = pytest.mark.skipif(
     not kernels.int8_fused_available(), reason="the fused int8 block needs a CPU with AVX-512 VNNI"
 )
 needs_bfloat16 = pytest.mark.skipif(
-    not kernels.row_product_bf16_available(), reason="the bfloat16 row product needs AVX-512 BF16"
+    not kernels.row_product_bf16_available(), reason="the bfloat16 row product needs AVX512_BF16 (VDPBF16PS)"
 )
 
 
