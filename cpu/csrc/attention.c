@@ -277,15 +277,11 @@ static int64_t scratch_floats(int64_t T, int backward)
     return backward ? (D + 2 * R) * tp + 2 * tp * D : (D + R) * tp;
 }
 
-/* Sets of value accumulators in `head_decode`: two interleaved where the head's D / LANES vectors leave
- * room for them in the registers (AVX-512's 4 vectors a head), one with narrower vectors (AVX2's 8). */
-#define SETS (D / LANES <= 4 ? 2 : 1)
-
 /* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
  * vst), into out. Keys j with mask[j] == 0 (mask NULL: none) are never read, and neither are their value
  * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats (D / LANES
  * vector FMAs, then a sum), then the same exact softmax as head_forward's over the keys attended, then the
- * weighted sum of their value rows. No key attended: zeros, as sdpa. */
+ * weighted sum of their value rows, two keys at a time. No key attended: zeros, as sdpa. */
 static void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst, const uint8_t *mask,
                         int64_t T, float scale, float *s, float *o)
 {
@@ -303,11 +299,8 @@ static void head_decode(const float *q, const float *k, int64_t kst, const float
         s[j] = sum_lanes(d);
         seen++;
     }
-    vf acc[SETS][D / LANES];
-    for (int h = 0; h < SETS; h++)
-        for (int c = 0; c < D / LANES; c++) acc[h][c] = (vf){0};
     if (!seen) {
-        for (int c = 0; c < D / LANES; c++) vstore(o + LANES * c, acc[0][c]);
+        memset(o, 0, sizeof(float) * D);
         return;
     }
     vf m = vsplat(-INFINITY), sum = {0};
@@ -322,19 +315,29 @@ static void head_decode(const float *q, const float *k, int64_t kst, const float
         sum += e;
     }
     const float f = 1.0f / sum_lanes(sum);
-    int h = 0; /* the accumulator set of the next attended key */
-    for (int64_t j = 0; j < T; j++) {
-        if (mask && !mask[j]) continue;
-        const float w = s[j];
-        const float *vj = v + j * vst;
-        for (int c = 0; c < D / LANES; c++) acc[h][c] += vload(vj + LANES * c) * w;
-        h = (h + 1) % SETS;
+    /* the value rows of the attended keys, two at a time into two sets of accumulators (two chains of
+     * FMAs a vector of the head) */
+    vf acc0[D / LANES], acc1[D / LANES];
+    for (int c = 0; c < D / LANES; c++) acc0[c] = acc1[c] = (vf){0};
+    int64_t j = 0;
+    while (1) {
+        while (j < T && mask && !mask[j]) j++;
+        int64_t j1 = j + 1;
+        while (j1 < T && mask && !mask[j1]) j1++;
+        if (j >= T) break;
+        const float *v0 = v + j * vst;
+        if (j1 < T) {
+            const float *v1 = v + j1 * vst;
+            for (int c = 0; c < D / LANES; c++) {
+                acc0[c] += vload(v0 + LANES * c) * s[j];
+                acc1[c] += vload(v1 + LANES * c) * s[j1];
+            }
+        } else {
+            for (int c = 0; c < D / LANES; c++) acc0[c] += vload(v0 + LANES * c) * s[j];
+        }
+        j = j1 + 1;
     }
-    for (int c = 0; c < D / LANES; c++) {
-        vf total = acc[0][c];
-        for (int g = 1; g < SETS; g++) total += acc[g][c];
-        vstore(o + LANES * c, total * f);
-    }
+    for (int c = 0; c < D / LANES; c++) vstore(o + LANES * c, (acc0[c] + acc1[c]) * f);
 }
 
 /* The tensors of one call, each (B, H, T, D) with strides [batch, head, position] given in floats (the last

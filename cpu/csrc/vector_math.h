@@ -74,19 +74,43 @@ static inline vi lanes_below(int64_t n)
     return index < limit;
 }
 
+typedef float vf4 __attribute__((vector_size(16)));
+typedef float vf8 __attribute__((vector_size(32)));
+
+/* The sum of the lanes as a tree: the two halves added, then their halves, then the last four lanes in
+ * pairs; as short a chain as AVX-512's reduce_add (a loop in lane order, which the compiler may not
+ * reassociate, is a chain of LANES - 1 adds). */
 static inline float sum_lanes(vf v)
 {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+    vf4 q;
+#if LANES == 4
+    q = v;
+#else
+    vf8 e;
+#if LANES == 16
+    vf8 lo8, hi8;
+    memcpy(&lo8, &v, 32);
+    memcpy(&hi8, (const char *)&v + 32, 32);
+    e = lo8 + hi8;
+#else
+    e = v;
+#endif
+    vf4 lo4, hi4;
+    memcpy(&lo4, &e, 16);
+    memcpy(&hi4, (const char *)&e + 16, 16);
+    q = lo4 + hi4;
+#endif
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 /* The largest lane: a NaN lane is skipped unless all are NaN (as AVX-512's reduce_max; callers that must
  * see a NaN look for it themselves). */
 static inline float max_lanes(vf v)
 {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    float t[LANES];
+    memcpy(t, &v, sizeof v);
+    float m = t[0];
+    for (int i = 1; i < LANES; i++) m = t[i] > m ? t[i] : m;
     return m;
 }
 
@@ -94,29 +118,49 @@ static inline float max_lanes(vf v)
 static inline vf max_v(vf a, vf b) { return vselect(a > b, a, b); }
 static inline vf min_v(vf a, vf b) { return vselect(a < b, a, b); }
 
-/* exp(x): a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative error ~1e-7, as expf; the
- * Cephes coefficients). Arguments are clamped to [-103, 89]: exp(-103) is float's smallest subnormal
- * (1.4e-45) and exp(89) overflows to infinity, as exp(+inf) does. A NaN stays NaN. 2^n is applied as two
- * factors 2^(n/2) 2^(n - n/2), each a normal float, so that results down to the subnormals are exact. */
-static inline vf exp_v(vf x)
+/* exp(r) for |r| <= ln2 / 2: a degree-6 polynomial (relative error ~1e-7, as expf; the Cephes
+ * coefficients). */
+static inline vf exp_reduced(vf r)
 {
-    const vf lo = vsplat(-103.0f), hi = vsplat(89.0f);
-    x = vselect(x < lo, lo, x); /* (false for a NaN: it stays) */
-    x = vselect(x > hi, hi, x);
-    /* round to nearest by adding and subtracting 1.5 * 2^23 (|x log2e| < 2^22 here) */
-    const vf magic = vsplat(12582912.0f);
-    const vf n = (x * 1.44269504088896341f + magic) - magic;
-    const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     vf p = vsplat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const vi k = __builtin_convertvector(n, vi), half = k >> 1;
-    const vf a = (vf)((half + 127) << 23), b = (vf)((k - half + 127) << 23);
-    return p * a * b;
+    return p * (r * r) + (r + 1.0f);
+}
+
+/* n = round(x / ln2), as floats (by adding and subtracting 1.5 * 2^23: |x / ln2| < 2^22 here), and
+ * r = x - n ln2 (ln2 in two parts, so that r is exact). */
+static inline vf exp_split(vf x, vf *r)
+{
+    const vf magic = vsplat(12582912.0f);
+    const vf n = (x * 1.44269504088896341f + magic) - magic;
+    *r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    return n;
+}
+
+/* exp(x) for |x| <= 87, where 2^n is a normal float: exp(r) 2^n. No clamp: the callers bound x (the
+ * GELU's -2u). A NaN stays NaN. */
+static inline vf exp_bounded_v(vf x)
+{
+    vf r;
+    const vf n = exp_split(x, &r);
+    return exp_reduced(r) * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* exp(x) for any x: arguments clamped to [-103, 89] (exp(-103) is float's smallest subnormal, 1.4e-45;
+ * exp(89) overflows to infinity, as exp(+inf) does); a NaN stays NaN. 2^n is applied as two factors
+ * 2^(n/2) 2^(n - n/2), each a normal float, so that results down to the subnormals are exact. */
+static inline vf exp_v(vf x)
+{
+    const vf lo = vsplat(-103.0f), hi = vsplat(89.0f);
+    x = vselect(x < lo, lo, x); /* (false for a NaN: it stays) */
+    x = vselect(x > hi, hi, x);
+    vf r;
+    const vi k = __builtin_convertvector(exp_split(x, &r), vi), half = k >> 1;
+    return exp_reduced(r) * (vf)((half + 127) << 23) * (vf)((k - half + 127) << 23);
 }
 
 /* exp(x), and exactly 0 where x lies below -103 (so that exp(-inf) is 0); a NaN stays NaN. */
@@ -134,7 +178,7 @@ static inline void sigmoid_parts_v(vf x, vf *s, vf *es, vf *dv)
     const vf xc = max_v(vsplat(-LIMIT), min_v(vsplat(LIMIT), x)); /* (a NaN x gives x) */
     const vf x2 = xc * xc;
     const vf u = (xc * SQRT_2_OVER_PI) * (x2 * CUBIC + 1.0f);
-    const vf e = exp_v(u * -2.0f);
+    const vf e = exp_bounded_v(u * -2.0f); /* (|2u| <= 87.3 for |x| <= 10) */
     const vf sig = 1.0f / (e + 1.0f);
     *s = vkeep(~(x < -LIMIT), sig);
     *es = e * sig; /* 1 - s without the cancellation of 1 - s */
