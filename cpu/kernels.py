@@ -27,14 +27,10 @@ ATTENTION_BAND = 64
 
 
 def available(name: str) -> bool:
-    """Whether csrc/{name}.c is built and loaded (`native.kernel`) and, for the kernels written for AVX-512,
-    built for a CPU that has it (its `hfgpt_{name}_vectorized()` says 1). The dropout and int8 kernels also
-    run without AVX-512 (a portable loop)."""
-    library = native.kernel(name)
-    if library is None:
-        return False
-    probe = getattr(library, f"hfgpt_{name}_vectorized", None)
-    return probe is None or name in ("dropout", "int8_linear") or bool(probe())
+    """Whether csrc/{name}.c is built and loaded (`native.kernel`). Every kernel but the int8 one is one
+    portable source that runs on any CPU (vectors as wide as the host's: AVX2, AVX-512, NEON); the int8
+    one has a portable loop beside its AVX-512 VNNI one."""
+    return native.kernel(name) is not None
 
 
 def _library(name: str) -> ctypes.CDLL:

@@ -4,7 +4,8 @@ The model file (`hfgpt.modeling.modeling_hfgpt`) is the plain computation. This 
 the CPU from outside, the way the `kernels` package's `kernelize` does: it replaces the `forward` of the
 model's layers on the instances (never on the classes, so other models and checkpoints' copies of the
 code are untouched), and registers its attention with transformers' `AttentionInterface` as
-`hfgpt_cpu`. Every swapped forward checks, call by call, whether its faster path applies (CPU tensors,
+`hfgpt_cpu`, which each swapped attention layer calls where the model asked for `sdpa` (the config keeps
+saying `sdpa`: the backend never renames what the user asked for). Every swapped forward checks, call by call, whether its faster path applies (CPU tensors,
 float32 or bfloat16, eager, no hooks it would skip) and otherwise runs the layer's own forward, so a
 kernelized model moved to a GPU or to float16 computes exactly the plain model.
 
@@ -13,8 +14,8 @@ What is swapped:
   products on hfgpt's C kernel, bfloat16 autocast casts into reused memory;
 - the MLP (`mlp_forward`): the GELU inside oneDNN's product, or in place, or on the C kernel;
 - the blocks' and embeddings' dropout (`dropout_forward`): byte masks from a counter-based generator;
-- attention (`cpu_attention`, registered as `hfgpt_cpu` where the model asked for `sdpa`): causal
-  attention in bands of query rows, on the C kernel where it is built;
+- attention (`attention_forward`, calling `cpu_attention`, registered as `hfgpt_cpu`, where the model
+  asked for `sdpa`): causal attention in bands of query rows, on the C kernel where it is built;
 - the LM head (`lm_head_forward`) and, in `GPTForCausalLM` with labels, the head and its loss together
   (`causal_lm_forward`): no vocabulary-wide gradient held at once, the gradient handed to the tied
   embeddings; GPT-1's auxiliary LM loss likewise (`auxiliary_lm_loss`).
@@ -32,11 +33,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 
 from hfgpt.modeling import modeling_hfgpt
 from hfgpt.modeling.modeling_hfgpt import (
     GPTMLP,
+    GPTAttention,
     GPTDoubleHeadsModel,
     GPTForCausalLM,
     GPTForSequenceClassification,
@@ -81,6 +84,49 @@ def cpu_attention(
 
 AttentionInterface.register(ATTENTION, cpu_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks sdpa takes: boolean, or None where causal
+
+
+def attention_function(module: nn.Module) -> Callable:
+    """The attention function a kernelized attention layer calls: `cpu_attention` where its config asks
+    for `sdpa` (the same values as sdpa, which it runs wherever its faster paths do not apply), else the
+    one the config names, as `GPTAttention.forward` looks it up. transformers' own `sdpa` entry stays
+    untouched, so its models (GPT2LMHeadModel, ...) are unchanged."""
+    implementation = module.config._attn_implementation
+    if implementation == "sdpa":
+        return cpu_attention
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, modeling_hfgpt.eager_attention_forward)
+
+
+def attention_forward(
+    self: GPTAttention,
+    hidden_states: torch.Tensor,  # (B, T, E)
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`GPTAttention.forward` with `attention_function(self)` as its attention: `config._attn_implementation`
+    stays what the user asked for (transformers' common test `test_sdpa_can_dispatch_non_composite_models`
+    checks it), and the layer still runs hfgpt's CPU attention where that is `sdpa`."""
+    batch, seq_len, _ = hidden_states.shape
+    qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
+    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    input_dtype = query.dtype
+    if input_dtype not in (torch.float32, torch.float64) and self.config.reorder_and_upcast_attn:
+        query, key, value = query.float(), key.float(), value.float()
+    output, weights = attention_function(self)(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=self.attn_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
+    return self.resid_dropout(self.c_proj(output)), weights
 
 
 # --- layers -------------------------------------------------------------------------------------------
@@ -294,13 +340,22 @@ def _swap(module: nn.Module, name: str, function: Callable) -> None:
 
 _SWAPPED = ("forward", "_auxiliary_lm_loss", "train")
 ops.CPU_FORWARDS.update(
-    {conv1d_forward, mlp_forward, dropout_forward, lm_head_forward, causal_lm_forward, train_forward}
+    {
+        attention_forward,
+        conv1d_forward,
+        mlp_forward,
+        dropout_forward,
+        lm_head_forward,
+        causal_lm_forward,
+        train_forward,
+    }
 )
 
 
 def kernelize(model: nn.Module) -> nn.Module:
-    """Swap hfgpt's CPU layers into `model` (an hfgpt model, or any module holding hfgpt models) and use
-    the `hfgpt_cpu` attention where it asked for `sdpa`. Idempotent; returns `model`.
+    """Swap hfgpt's CPU layers into `model` (an hfgpt model, or any module holding hfgpt models); its
+    attention layers run the `hfgpt_cpu` attention where the config asks for `sdpa`, and the config is left
+    as it is. Idempotent; returns `model`.
 
     Layers a user's code already replaced (a forward set on the instance, such as accelerate's offloading
     hooks) are left alone."""
@@ -321,6 +376,8 @@ def kernelize(model: nn.Module) -> nn.Module:
                         _swap(child, "forward", conv1d_forward)
                 if type(block.mlp) is GPTMLP and "forward" not in block.mlp.__dict__:
                     _swap(block.mlp, "forward", mlp_forward)
+                if type(block.attn) is GPTAttention and "forward" not in block.attn.__dict__:
+                    _swap(block.attn, "forward", attention_forward)
         if isinstance(module, GPTPreTrainedModel):
             if isinstance(module, GPTForCausalLM | GPTDoubleHeadsModel):
                 head = module.lm_head
@@ -332,24 +389,18 @@ def kernelize(model: nn.Module) -> nn.Module:
                 _swap(module, "_auxiliary_lm_loss", auxiliary_lm_loss)
             if "train" not in module.__dict__:
                 _swap(module, "train", train_forward)
-            config = module.config
-            if config._attn_implementation == "sdpa":
-                config._attn_implementation = ATTENTION
     return model
 
 
 def unkernelize(model: nn.Module) -> nn.Module:
-    """Undo `kernelize`: every module of `model` computes its class's own forward again, and attention is
-    transformers' sdpa. Returns `model`."""
+    """Undo `kernelize`: every module of `model` computes its class's own forward again (attention as its
+    config names it: transformers' sdpa where it asks for `sdpa`). Returns `model`."""
     for module in model.modules():
         for name in _SWAPPED:
             method = module.__dict__.get(name)
             if isinstance(method, MethodType) and method.__func__ in ops.CPU_FORWARDS | {auxiliary_lm_loss}:
                 del module.__dict__[name]
         module.__dict__.pop("_head_buffers", None)
-        config = getattr(module, "config", None)
-        if isinstance(module, GPTPreTrainedModel) and config._attn_implementation == ATTENTION:
-            config._attn_implementation = "sdpa"
     return model
 
 

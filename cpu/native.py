@@ -75,7 +75,6 @@ SIGNATURES = {
         ),
     },
     "attention": {
-        "hfgpt_attention_vectorized": (ctypes.c_int, []),
         # q, k, v, out, B, H, T, q strides, k strides, v strides, out strides, scale, threads
         "hfgpt_causal_attention": (
             ctypes.c_int,
@@ -99,14 +98,12 @@ SIGNATURES = {
         ),
     },
     "gelu": {
-        "hfgpt_gelu_vectorized": (ctypes.c_int, []),
         # x, y, n, threads
         "hfgpt_gelu_forward": (ctypes.c_int, [_P, _P, _I64, ctypes.c_int]),
         # x, grad y, grad x, n, threads
         "hfgpt_gelu_backward": (ctypes.c_int, [_P, _P, _P, _I64, ctypes.c_int]),
     },
     "loss": {
-        "hfgpt_loss_vectorized": (ctypes.c_int, []),
         # part, its row stride, out, its row stride, rows, cols, peak, total, threads
         "hfgpt_lse_block": (ctypes.c_int, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, ctypes.c_int]),
         # logits, their row stride, lse, scale, targets, start, rows, cols, grad, its row stride, threads
@@ -116,7 +113,6 @@ SIGNATURES = {
         ),
     },
     "row_product": {
-        "hfgpt_row_product_vectorized": (ctypes.c_int, []),
         "hfgpt_row_product_bf16_available": (ctypes.c_int, []),
         # x, w, out, in, bias, y, threads (bfloat16 x, w, bias and y)
         "hfgpt_row_product_bf16": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),

@@ -48,8 +48,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """The tanh GELU of both originals (GPT-1 train.py `gelu`, GPT-2 model.py `gelu`), as one fused kernel
     instead of the ~8 element-wise ops of transformers' `gelu_new`: same values to float precision, less
     time and no saved intermediates in training. `F.gelu(x, approximate="tanh")`, or hfgpt's C kernel
-    (`torch.ops.hfgpt.gelu_tanh`, csrc/gelu.c) for contiguous float32 CPU tensors where it is built with
-    AVX-512.
+    (`torch.ops.hfgpt.gelu_tanh`, csrc/gelu.c) for contiguous float32 CPU tensors where it is built (any
+    CPU with a C compiler).
 
     The kernel computes x sigmoid(2u) (the same function): one exp and one division an element where torch's
     kernel evaluates a tanh, so forward and backward take a fraction of torch's time on the MLP's 4E-wide

@@ -1,6 +1,9 @@
 """What the tests of hfgpt's C kernels (tests/test_*_kernel.py) share: a fresh kernel cache around each
 test, a record of a kernel's calls, and a training step compared with torch's ops."""
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 from test_performance import seeded_step  # tests/ is on sys.path
@@ -16,6 +19,39 @@ def fresh_kernel_cache():
     native.kernel.cache_clear()
     yield
     native.kernel.cache_clear()
+
+
+def _narrow_targets() -> list[str | None]:
+    """The -march targets narrower than this host's that `narrow_build` can build and run here: on x86-64
+    with AVX2 and FMA, x86-64-v3 (8 float lanes, as on CI's AVX2 CPUs); and everywhere the compiler's
+    baseline (None: x86-64's SSE2, 4 lanes without FMA; arm64's NEON)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    return (["x86-64-v3"] if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags else []) + [None]
+
+
+NARROW_TARGETS = _narrow_targets()
+
+
+def narrow_build(directory, name: str, target: str | None = None):
+    """csrc/{name}.c built for `target` (-march=target; None: the compiler's baseline) instead of
+    -march=native, into `directory`: the same portable source with narrower vectors than the host's,
+    loaded as `native.kernel` loads the native build."""
+    flags = tuple(f for f in native.FLAGS if f != "-march=native")
+    if target is not None:
+        flags = (f"-march={target}", *flags)
+    return native.load(native.build(name, flags, directory), name)
+
+
+def using_library(monkeypatch, name: str, library) -> None:
+    """hfgpt's operators run `library` for csrc/{name}.c (and the native build for the others)."""
+    kernel = native.kernel
+    monkeypatch.setattr(
+        native, "kernel", lambda kernel_name: library if kernel_name == name else kernel(kernel_name)
+    )
 
 
 def record_kernel_calls(monkeypatch, name: str) -> list[str]:

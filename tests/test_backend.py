@@ -15,8 +15,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfgpt.cpu import ATTENTION, is_kernelized, kernelize, unkernelize
-from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel, GPTForCausalLM, GPTForSequenceClassification
+from hfgpt.cpu import is_kernelized, kernelize, layers, unkernelize
+from hfgpt.modeling import (
+    GPTConfig,
+    GPTDoubleHeadsModel,
+    GPTForCausalLM,
+    GPTForQuestionAnswering,
+    GPTForSequenceClassification,
+    GPTForTokenClassification,
+    GPTModel,
+)
 
 MODELING_DIR = Path(__file__).parent.parent / "modeling"
 MODEL_FILES = ("modeling_hfgpt.py", "configuration_hfgpt.py")
@@ -53,7 +61,7 @@ def test_the_model_files_together_are_no_longer_than_transformers_gpt2():
 def test_new_models_are_kernelized_and_unkernelize_gives_back_the_plain_model():
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY, **NO_DROPOUT)).eval()
-    assert is_kernelized(model) and model.config._attn_implementation == ATTENTION
+    assert is_kernelized(model) and model.config._attn_implementation == "sdpa"
     plain = unkernelize(copy.deepcopy(model))
     assert not is_kernelized(plain) and instance_methods(plain) == []
     assert plain.config._attn_implementation == "sdpa"
@@ -82,6 +90,63 @@ def test_a_kernelized_training_step_gives_the_plain_gradients(head):
         torch.testing.assert_close(
             got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=f"{head.__name__} {name}"
         )
+
+
+HEADS = (
+    GPTModel,
+    GPTForCausalLM,
+    GPTForSequenceClassification,
+    GPTDoubleHeadsModel,
+    GPTForTokenClassification,
+    GPTForQuestionAnswering,
+)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])  # GPT-1, GPT-2
+@pytest.mark.parametrize("head", HEADS)
+def test_the_backend_keeps_the_attention_implementation_asked_for(head, norm, tmp_path):
+    """transformers' common test `test_sdpa_can_dispatch_non_composite_models`, with the backend on: a model
+    loaded by default or with `attn_implementation="sdpa"` says `sdpa`, one loaded with `"eager"` says
+    `eager` and has no attention layer whose config says `sdpa`; the kernelized sdpa model still runs the
+    backend's attention (`layers.cpu_attention`), and the eager one the model's eager attention, with the
+    same values."""
+    torch.manual_seed(0)
+    head(GPTConfig(**TINY, layer_norm_position=norm, pad_token_id=0)).save_pretrained(tmp_path)
+    default = head.from_pretrained(tmp_path).eval()
+    sdpa = head.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    eager = head.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert default.config._attn_implementation == sdpa.config._attn_implementation == "sdpa"
+    assert eager.config._attn_implementation == "eager"
+    for name, submodule in eager.named_modules():
+        if type(submodule).__name__.endswith("Attention") and getattr(submodule, "config", None):
+            assert submodule.config._attn_implementation == "eager", name
+    assert is_kernelized(sdpa) and is_kernelized(eager)
+    attention = [m for m in sdpa.modules() if type(m).__name__ == "GPTAttention"]
+    assert attention and all(layers.attention_function(m) is layers.cpu_attention for m in attention)
+    assert all(
+        layers.attention_function(m) is not layers.cpu_attention
+        for m in eager.modules()
+        if type(m).__name__ == "GPTAttention"
+    )
+    ids = torch.randint(1, 96, (2, 10))
+    inputs = ids[:, None] if head is GPTDoubleHeadsModel else ids
+    with torch.no_grad():
+        got, expected = sdpa(inputs), eager(inputs)
+    key = "last_hidden_state" if head is GPTModel else next(iter(expected.keys()))
+    torch.testing.assert_close(got[key], expected[key], atol=2e-5, rtol=1e-4)
+    sdpa.set_attn_implementation("eager")
+    assert sdpa.config._attn_implementation == "eager"
+    assert all(layers.attention_function(m) is not layers.cpu_attention for m in attention)
+
+
+def test_transformers_own_sdpa_is_untouched():
+    """The backend registers its attention under its own name and never replaces transformers' `sdpa`
+    entry, which transformers' own models (GPT2LMHeadModel, ...) call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS[layers.ATTENTION] is layers.cpu_attention
 
 
 def test_a_kernelized_model_off_float32_computes_the_plain_model():
@@ -119,7 +184,7 @@ SWITCHED_OFF = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("setting", "expected"), [("0", "False sdpa"), ("1", f"True {ATTENTION}")])
+@pytest.mark.parametrize(("setting", "expected"), [("0", "False sdpa"), ("1", "True sdpa")])
 def test_the_environment_switch(setting, expected):
     env = {**os.environ, "HFGPT_CPU_BACKEND": setting}
     out = subprocess.run([sys.executable, "-c", SWITCHED_OFF], env=env, capture_output=True, text=True)

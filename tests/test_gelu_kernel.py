@@ -5,12 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import (  # tests/ is on sys.path
+    NARROW_TARGETS,
     assert_step_equals_torchs,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    narrow_build,
     record_kernel_calls,
+    using_library,
 )
 from test_attention_kernel import needs_kernel
-from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
 from hfgpt.cpu import kernels, native
@@ -18,7 +20,7 @@ from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import gelu_tanh
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
-pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
+pytestmark = needs_kernel  # the same C compiler as the attention kernel
 
 
 @pytest.fixture
@@ -161,14 +163,22 @@ def test_a_training_step_runs_the_gelu_kernel_with_torchs_gradients(kernel_calls
     assert len(kernel_calls) == 4
 
 
-def test_a_build_without_avx512_leaves_the_gelu_to_torch(tmp_path, monkeypatch):
-    """csrc/gelu.c compiled without AVX-512 says so, and refuses its entry points; `gelu_tanh` then runs
-    torch's GELU."""
-    library = portable_library(tmp_path, "gelu")
-    assert library.hfgpt_gelu_vectorized() == 0
-    x = torch.randn(100)
-    assert library.hfgpt_gelu_forward(x.data_ptr(), torch.empty(100).data_ptr(), 100, 1) == 3
-    with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
-        patch.setattr(native, "kernel", lambda name: library)
-        assert not kernels.available("gelu")
-        torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)
+@pytest.mark.parametrize("target", NARROW_TARGETS)
+def test_a_build_for_narrower_vectors_gives_the_same_gelu(target, tmp_path, monkeypatch):
+    """csrc/gelu.c built for narrower vectors than the host's (`NARROW_TARGETS`: AVX2's 8 lanes, the
+    baseline's 4 without FMA) is the same source as the
+    native build: its forward and gradient equal the native ones to float rounding, NaN and infinities
+    included, at lengths that end in a partial vector."""
+    x = torch.cat([inputs(1003), torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30])])
+    x.requires_grad_()
+    results = []
+    for library in (None, narrow_build(tmp_path, "gelu", target)):
+        with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
+            if library is not None:
+                using_library(patch, "gelu", library)
+            y = kernels.gelu_tanh(x)
+            (slope,) = torch.autograd.grad(y.sum(), x)
+            results.append((y.detach(), slope))
+    (y, slope), (narrow_y, narrow_slope) = results
+    torch.testing.assert_close(narrow_y, y, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(narrow_slope, slope, atol=1e-6, rtol=1e-6, equal_nan=True)

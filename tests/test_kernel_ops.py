@@ -15,7 +15,7 @@ needs_int8 = pytest.mark.skipif(not kernels.available("int8_linear"), reason="no
 needs_dropout = pytest.mark.skipif(not kernels.available("dropout"), reason="no C compiler here")
 needs_fused_int8 = pytest.mark.skipif(not kernels.int8_fused_available(), reason="no C compiler here")
 needs_bfloat16 = pytest.mark.skipif(
-    not kernels.row_product_bf16_available(), reason="the bfloat16 row product needs AVX-512 BF16"
+    not kernels.row_product_bf16_available(), reason="the bfloat16 row product needs AVX512_BF16 (VDPBF16PS)"
 )
 
 

@@ -6,13 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import (  # tests/ is on sys.path
+    NARROW_TARGETS,
     assert_step_equals_torchs,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    narrow_build,
     record_kernel_calls,
+    using_library,
 )
 from kernel_testing import without_kernel as without
 from test_attention_kernel import needs_kernel
-from test_int8_kernel import portable_library
 from test_performance import OpRecorder, seeded_step
 
 from hfgpt.cpu import kernels, native
@@ -20,7 +22,7 @@ from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
-pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
+pytestmark = needs_kernel  # the same C compiler as the attention kernel
 
 
 @pytest.fixture(autouse=True)
@@ -174,15 +176,26 @@ def test_a_training_step_runs_the_loss_kernel_with_torchs_gradients(kernel_calls
     assert_step_equals_torchs(model, ids, (loss, grads), atol=1e-6, rtol=1e-5)
 
 
-def test_a_build_without_avx512_leaves_the_loss_to_torch(tmp_path, monkeypatch):
-    """csrc/loss.c compiled without AVX-512 says so and refuses its entry points; the head then runs
-    torch's ops."""
-    library = portable_library(tmp_path, "loss")
-    assert library.hfgpt_loss_vectorized() == 0
-    x = torch.randn(2, 16)
-    peak, total = torch.full((2,), float("-inf")), torch.zeros(2, dtype=torch.float64)
-    args = (x.data_ptr(), 16, x.data_ptr(), 16, 2, 16, peak.data_ptr(), total.data_ptr(), 1)
-    assert library.hfgpt_lse_block(*args) == 3
-    with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
-        patch.setattr(native, "kernel", lambda name: library)
-        assert not kernels.available("loss") and not ops_hfgpt.kernel_runs("loss", x)
+@pytest.mark.parametrize("target", NARROW_TARGETS)
+def test_a_build_for_narrower_vectors_gives_the_same_loss(target, tmp_path, monkeypatch):
+    """csrc/loss.c built for narrower vectors than the host's (`NARROW_TARGETS`: AVX2's 8 lanes, the
+    baseline's 4 without FMA) is the same source as the
+    native build: the same copies and log-sum-exps, the special rows included, and the same softmax
+    gradients to float rounding, over widths that end in a partial vector."""
+    x = torch.cat([torch.randn(5, 203) * 4, special_rows(203)])
+    rows = x.shape[0]
+    lse = torch.logsumexp(x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), dim=1)
+    scale, targets = torch.rand(rows), torch.randint(0, 203, (rows,))
+    results = []
+    for library in (None, narrow_build(tmp_path, "loss", target)):
+        with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
+            if library is not None:
+                using_library(patch, "loss", library)
+            copy, got_lse = lse_by_blocks(x, 67)
+            grad = torch.empty(rows, 100)
+            kernels.softmax_grad(x[:, 50:150].contiguous(), lse, scale, targets, 50, grad)
+            results.append((copy, got_lse, grad))
+    (copy, got_lse, grad), (narrow_copy, narrow_lse, narrow_grad) = results
+    assert torch.equal(narrow_copy.nan_to_num(), copy.nan_to_num())
+    torch.testing.assert_close(narrow_lse, got_lse, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(narrow_grad, grad, atol=1e-6, rtol=1e-5, equal_nan=True)

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from hfgpt.cpu import native
 
@@ -102,7 +103,9 @@ def _assert_genuine_gelu(library, not_in: Path) -> None:
     """`library` is the gelu kernel built from csrc (it answers its own entry point), not from `not_in`."""
     assert library is not None
     assert not Path(library._name).is_relative_to(not_in)
-    assert library.hfgpt_gelu_vectorized() in (0, 1)
+    x, y = torch.tensor([0.0, 1.0, -30.0]), torch.full((3,), float("nan"))
+    assert library.hfgpt_gelu_forward(x.data_ptr(), y.data_ptr(), 3, 1) == 0
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x, approximate="tanh"))
 
 
 def test_a_library_planted_in_a_folder_writable_by_others_is_not_loaded(

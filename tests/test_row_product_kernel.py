@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import (  # tests/ is on sys.path
+    NARROW_TARGETS,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    narrow_build,
     record_kernel_calls,
+    using_library,
 )
 from test_attention_kernel import needs_kernel
-from test_int8_kernel import portable_library
 from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
 
@@ -21,7 +23,7 @@ from hfgpt.cpu.quantization import quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
 
-pytestmark = needs_kernel  # the same C compiler and AVX-512 as the attention kernel
+pytestmark = needs_kernel  # the same C compiler as the attention kernel
 
 
 @pytest.fixture
@@ -132,15 +134,27 @@ def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_i
         torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
-def test_a_build_without_avx512_leaves_the_row_products_to_torch(tmp_path, monkeypatch):
-    library = portable_library(tmp_path, "row_product")
-    assert library.hfgpt_row_product_vectorized() == 0 and library.hfgpt_row_product_bf16_available() == 0
-    x, weight, y = torch.randn(1, 16), torch.randn(4, 16), torch.empty(1, 4)
-    assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 4, 16, None, y.data_ptr(), 1) == 3
-    with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
-        patch.setattr(native, "kernel", lambda name: library)
-        assert not kernels.available("row_product") and not kernels.row_product_bf16_available()
-        assert not ops_hfgpt.kernel_runs("row_product", x)
+@pytest.mark.parametrize("target", NARROW_TARGETS)
+def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_path, monkeypatch):
+    """csrc/row_product.c built for narrower vectors than the host's (`NARROW_TARGETS`: AVX2's 8 lanes, the
+    baseline's 4 without FMA) is the same source as
+    the native build: the same products to float rounding, at widths that end in a partial vector, and no
+    bfloat16 product (it needs AVX512_BF16)."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(1, 203, generator=generator), torch.randn(45, 203, generator=generator)
+    conv_weight, bias = torch.randn(203, 45, generator=generator), torch.randn(45, generator=generator)
+    results = []
+    library = narrow_build(tmp_path, "row_product", target)
+    assert library.hfgpt_row_product_bf16_available() == 0
+    for build in (None, library):
+        with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
+            if build is not None:
+                using_library(patch, "row_product", build)
+            results.append((kernels.row_product(x, weight, 2), kernels.row_conv1d(x, conv_weight, bias, 3)))
+    for got, narrow in zip(*results, strict=True):
+        torch.testing.assert_close(narrow, got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], torch.addmm(bias, x, conv_weight), atol=1e-4, rtol=1e-5)
 
 
 def bfloat16_kernel_available() -> bool:
@@ -153,7 +167,7 @@ def products(calls: list[str]) -> list[str]:
 
 
 needs_bfloat16 = pytest.mark.skipif(
-    not bfloat16_kernel_available(), reason="the bfloat16 row product needs a CPU with AVX-512 BF16"
+    not bfloat16_kernel_available(), reason="the bfloat16 row product needs AVX512_BF16 (VDPBF16PS)"
 )
 
 

@@ -7,13 +7,14 @@
  * (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
  * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's
  * CPU flash-attention kernel spends much of its time outside the arithmetic on GPT-2's short heads of 64;
- * this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and works R = 8 query rows
- * at a time:
- *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, 8 rows x 32 keys in
- *           16 AVX-512 accumulators, one broadcast of q[r][d] per 2 FMAs (`dots`);
+ * this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and works R query rows at a
+ * time (8 where the CPU has 32 vector registers: AVX-512, arm64; 4 with AVX2's 16):
+ *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, R rows x KB keys (two
+ *           vectors) in 2R accumulators, one broadcast of q[r][d] per 2 FMAs (`dots`);
  *   softmax per row over j <= i (the row's own position), exactly: max, exp(S - max), sum (the block's
  *           scores are all in cache, so no running rescaling is needed);
- *   values  O[r] = sum_j P[r][j] v_j / sum, half a head (32 values) at a time (`weighted_rows`).
+ *   values  O[r] = sum_j P[r][j] v_j / sum, two vectors of the head's 64 values at a time
+ *           (`weighted_rows`).
  * Training saves P and drops weights with the keep masks it is given (P * keep / (1 - p)), in the band
  * layout of `_BandedDropoutAttention`. Its backward, per block of 8 rows, with P' the dropped weights:
  *   dP'[r][j] = dout_r . v_j (`dots` on V transposed); dP = dP' * keep / (1 - p);
@@ -23,7 +24,10 @@
  * Each (batch, head) is one task for the OpenMP threads, and the sums for one output run in a fixed
  * order, so the result does not depend on the number of threads.
  *
- * exp is vector_math.h's `exp_ps` (relative error ~1e-7, as expf; arguments clamped at -103, whose exp,
+ * One portable source: vector_math.h's vectors, as wide as the host's (AVX2, AVX-512, NEON), which the
+ * compiler maps to the host's instructions under -march=native.
+ *
+ * exp is vector_math.h's `exp_v` (relative error ~1e-7, as expf; arguments clamped at -103, whose exp,
  * float's smallest subnormal, is a weight of nothing). Each output row
  * reads only its own query and the keys and values up to its position, as causal sdpa: a NaN or an
  * infinity there gives NaN outputs in that row (as in sdpa), and never reaches an earlier row. A decoding
@@ -35,9 +39,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define D 64 /* head size */
-#define R 8  /* query rows per block */
-#define KB 32 /* keys per block of scores */
+#if VECTOR_BYTES == 64 || defined(__aarch64__)
+#define R 8 /* query rows per block: 2R accumulators and 3 more vectors fit 32 vector registers */
+#else
+#define R 4 /* ... and AVX2's (or SSE2's) 16 */
+#endif
+#define KB (2 * LANES) /* keys per block of scores: two vectors */
+#define SPAN (2 * LANES) /* head values per pass of `weighted_rows` and `rank_update`: two vectors */
 
 /* Dropout of the weights in training: per band of `band` query rows (starting at multiples of `band`,
  * a multiple of R), keep[b] (uint8, 1 = kept) and probs[b] (float32) are (B*H, rows of the band, keys up
@@ -49,10 +60,6 @@ typedef struct {
     float pscale; /* 1 / (1 - p) */
 } dropout_t;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "vector_math.h"
-#define VECTORIZED 1
-
 /* Offset of row i of head t (of B*H) in its band's (B*H, rows, stop) tensors; *stop = the band's keys. */
 static inline int64_t band_row(const dropout_t *dp, int64_t T, int64_t t, int64_t i, int64_t *band_index,
                                int64_t *stop)
@@ -63,11 +70,14 @@ static inline int64_t band_row(const dropout_t *dp, int64_t T, int64_t t, int64_
     return (t * (*stop - start) + (i - start)) * *stop;
 }
 
-/* keep[j..j+16) * pscale as floats, lanes below `lanes` only (no read past them). */
-static inline __m512 kept(const uint8_t *keep, int64_t lanes, __m512 pscale)
+typedef uint8_t vbytes __attribute__((vector_size(LANES)));
+
+/* keep[j..j+LANES) * pscale as floats, lanes below `lanes` only (no read past them; 0 beyond). */
+static inline vf kept(const uint8_t *keep, int64_t lanes, float pscale)
 {
-    const __m128i bytes = _mm_maskz_loadu_epi8(first(lanes), keep);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), pscale);
+    vbytes bytes = {0};
+    memcpy(&bytes, keep, (size_t)(lanes < LANES ? lanes : LANES));
+    return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf) * pscale;
 }
 
 /* A head's rows 0..T-1 (stride st) transposed into mt [D][tp], zero past T. */
@@ -82,21 +92,20 @@ static void transpose_head(const float *m, int64_t st, int64_t T, int64_t tp, fl
 /* out[r][j] = f * x_r . m_j for the R rows x and j < nk (a multiple of KB), m held transposed [D][tp]. */
 static void dots(const float *const *x, const float *mt, int64_t tp, int64_t nk, float f, float *out)
 {
-    const __m512 fv = _mm512_set1_ps(f);
     for (int64_t j0 = 0; j0 < nk; j0 += KB) {
-        __m512 a[R][2];
-        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        vf a[R][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (vf){0};
         for (int d = 0; d < D; d++) {
-            const __m512 m0 = _mm512_loadu_ps(mt + d * tp + j0), m1 = _mm512_loadu_ps(mt + d * tp + j0 + 16);
+            const vf m0 = vload(mt + d * tp + j0), m1 = vload(mt + d * tp + j0 + LANES);
             for (int r = 0; r < R; r++) {
-                const __m512 b = _mm512_set1_ps(x[r][d]);
-                a[r][0] = _mm512_fmadd_ps(b, m0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(b, m1, a[r][1]);
+                const float b = x[r][d];
+                a[r][0] += m0 * b;
+                a[r][1] += m1 * b;
             }
         }
         for (int r = 0; r < R; r++) {
-            _mm512_storeu_ps(out + r * tp + j0, _mm512_mul_ps(a[r][0], fv));
-            _mm512_storeu_ps(out + r * tp + j0 + 16, _mm512_mul_ps(a[r][1], fv));
+            vstore(out + r * tp + j0, a[r][0] * f);
+            vstore(out + r * tp + j0 + LANES, a[r][1] * f);
         }
     }
 }
@@ -106,23 +115,22 @@ static void dots(const float *const *x, const float *mt, int64_t tp, int64_t nk,
 static void weighted_rows(const float *w, int64_t tp, const float *m, int64_t mst, int64_t n, int64_t i0, int rows,
                           const float *f, float *dst, int64_t dst_st)
 {
-    for (int half = 0; half < 2; half++) {
-        __m512 a[R][2];
-        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < D; c0 += SPAN) {
+        vf a[R][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (vf){0};
         for (int64_t j = 0; j < n; j++) {
-            const float *mj = m + j * mst + 32 * half;
-            const __m512 m0 = _mm512_loadu_ps(mj), m1 = _mm512_loadu_ps(mj + 16);
+            const float *mj = m + j * mst + c0;
+            const vf m0 = vload(mj), m1 = vload(mj + LANES);
             for (int r = j < i0 ? 0 : (int)(j - i0); r < R; r++) {
-                const __m512 b = _mm512_set1_ps(w[r * tp + j]);
-                a[r][0] = _mm512_fmadd_ps(b, m0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(b, m1, a[r][1]);
+                const float b = w[r * tp + j];
+                a[r][0] += m0 * b;
+                a[r][1] += m1 * b;
             }
         }
         for (int r = 0; r < rows; r++) {
-            const __m512 fv = _mm512_set1_ps(f[r]);
-            float *row = dst + (i0 + r) * dst_st + 32 * half;
-            _mm512_storeu_ps(row, _mm512_mul_ps(a[r][0], fv));
-            _mm512_storeu_ps(row + 16, _mm512_mul_ps(a[r][1], fv));
+            float *row = dst + (i0 + r) * dst_st + c0;
+            vstore(row, a[r][0] * f[r]);
+            vstore(row + LANES, a[r][1] * f[r]);
         }
     }
 }
@@ -130,22 +138,22 @@ static void weighted_rows(const float *w, int64_t tp, const float *m, int64_t ms
 /* acc[j] += sum_r w[r][j] x_r for j < n (acc rows of D floats), over the rows r >= j - i0 that see key j. */
 static void rank_update(const float *w, int64_t tp, const float *const *x, int64_t n, int64_t i0, float *acc)
 {
-    for (int half = 0; half < 2; half++) {
-        __m512 xr[R][2];
+    for (int c0 = 0; c0 < D; c0 += SPAN) {
+        vf xr[R][2];
         for (int r = 0; r < R; r++) {
-            xr[r][0] = _mm512_loadu_ps(x[r] + 32 * half);
-            xr[r][1] = _mm512_loadu_ps(x[r] + 32 * half + 16);
+            xr[r][0] = vload(x[r] + c0);
+            xr[r][1] = vload(x[r] + c0 + LANES);
         }
         for (int64_t j = 0; j < n; j++) {
-            float *aj = acc + j * D + 32 * half;
-            __m512 a0 = _mm512_loadu_ps(aj), a1 = _mm512_loadu_ps(aj + 16);
+            float *aj = acc + j * D + c0;
+            vf a0 = vload(aj), a1 = vload(aj + LANES);
             for (int r = j < i0 ? 0 : (int)(j - i0); r < R; r++) {
-                const __m512 b = _mm512_set1_ps(w[r * tp + j]);
-                a0 = _mm512_fmadd_ps(b, xr[r][0], a0);
-                a1 = _mm512_fmadd_ps(b, xr[r][1], a1);
+                const float b = w[r * tp + j];
+                a0 += xr[r][0] * b;
+                a1 += xr[r][1] * b;
             }
-            _mm512_storeu_ps(aj, a0);
-            _mm512_storeu_ps(aj + 16, a1);
+            vstore(aj, a0);
+            vstore(aj + LANES, a1);
         }
     }
 }
@@ -165,7 +173,7 @@ static void head_forward(const float *q, int64_t qst, const float *k, int64_t ks
     const int64_t tp = (T + KB - 1) / KB * KB;
     float *kt = scratch, *s = scratch + D * tp;
     transpose_head(k, kst, T, tp, kt);
-    const __m512 pscale = _mm512_set1_ps(dp ? dp->pscale : 1.0f);
+    const float pscale = dp ? dp->pscale : 1.0f;
     for (int64_t i0 = 0; i0 < T; i0 += R) {
         const int rows = T - i0 < R ? (int)(T - i0) : R;
         const int64_t n = i0 + rows, nk = (n + KB - 1) / KB * KB; /* keys seen by the block's last row */
@@ -176,28 +184,26 @@ static void head_forward(const float *q, int64_t qst, const float *k, int64_t ks
         for (int r = 0; r < R; r++) {
             float *sr = s + r * tp;
             const int64_t seen = r < rows ? i0 + r + 1 : 0; /* keys 0..i: causal */
-            __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < seen; j += 16)
-                m = _mm512_mask_max_ps(m, first(seen - j), m, _mm512_loadu_ps(sr + j));
-            const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-            for (int64_t j = 0; j < nk; j += 16) {
-                const __mmask16 keep = j < seen ? first(seen - j) : 0;
-                const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
-                _mm512_storeu_ps(sr + j, e);
-                sum = _mm512_add_ps(sum, e);
+            vf m = vsplat(-INFINITY), sum = {0};
+            for (int64_t j = 0; j < seen; j += LANES) /* (a NaN score reaches the sum through exp) */
+                m = vselect(lanes_below(seen - j), max_v(vload(sr + j), m), m);
+            const float mv = max_lanes(m);
+            for (int64_t j = 0; j < nk; j += LANES) {
+                const vf e = vkeep(lanes_below(seen - j), exp_v(vload(sr + j) - mv));
+                vstore(sr + j, e);
+                sum += e;
             }
-            f[r] = seen ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+            f[r] = seen ? 1.0f / sum_lanes(sum) : 0.0f;
             if (dp && seen) { /* save P = e / sum; weights P * keep / (1 - p) */
                 int64_t b, stop;
                 const int64_t off = band_row(dp, T, t, i0 + r, &b, &stop);
                 float *pr = dp->probs[b] + off;
                 const uint8_t *kr = dp->keep[b] + off;
-                const __m512 inv = _mm512_set1_ps(f[r]);
-                for (int64_t j = 0; j < stop; j += 16) {
-                    const __m512 pj = j < nk ? _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv) : _mm512_setzero_ps();
-                    _mm512_mask_storeu_ps(pr + j, first(stop - j), pj);
+                for (int64_t j = 0; j < stop; j += LANES) {
+                    const vf pj = j < nk ? vload(sr + j) * f[r] : (vf){0};
+                    vstore_first(pr + j, pj, stop - j);
                     if (j < nk)
-                        _mm512_storeu_ps(sr + j, j < seen ? _mm512_mul_ps(pj, kept(kr + j, seen - j, pscale)) : pj);
+                        vstore(sr + j, j < seen ? pj * kept(kr + j, seen - j, pscale) : pj);
                 }
                 f[r] = 1.0f;
             }
@@ -216,8 +222,8 @@ static void head_backward(const float *q, int64_t qst, const float *k, int64_t k
     float *vt = scratch, *ds = vt + D * tp, *pd = ds + R * tp, *dk_sum = pd + R * tp, *dv_sum = dk_sum + tp * D;
     transpose_head(v, vst, T, tp, vt);
     memset(dk_sum, 0, sizeof(float) * (size_t)(2 * tp * D));
-    const __m512 pscale = _mm512_set1_ps(dp->pscale), sc = _mm512_set1_ps(scale);
-    const float ones[R] = {1, 1, 1, 1, 1, 1, 1, 1};
+    float ones[R];
+    for (int r = 0; r < R; r++) ones[r] = 1.0f;
     for (int64_t i0 = 0; i0 < T; i0 += R) {
         const int rows = T - i0 < R ? (int)(T - i0) : R;
         const int64_t n = i0 + rows, nk = (n + KB - 1) / KB * KB;
@@ -237,22 +243,21 @@ static void head_backward(const float *q, int64_t qst, const float *k, int64_t k
             const int64_t off = band_row(dp, T, t, i0 + r, &b, &stop);
             const float *pr = dp->probs[b] + off;
             const uint8_t *kr = dp->keep[b] + off;
-            __m512 delta = _mm512_setzero_ps(); /* sum_j P dP: the softmax's backward */
-            for (int64_t j = 0; j < seen; j += 16) {
-                const __mmask16 lanes = first(seen - j);
-                const __m512 kj = kept(kr + j, seen - j, pscale), pj = _mm512_maskz_loadu_ps(lanes, pr + j);
-                const __m512 dp_j = _mm512_mul_ps(_mm512_loadu_ps(dsr + j), kj);
-                _mm512_storeu_ps(dsr + j, dp_j);
-                _mm512_storeu_ps(pdr + j, _mm512_mul_ps(pj, kj));
-                delta = _mm512_fmadd_ps(pj, dp_j, delta);
+            vf delta = {0}; /* sum_j P dP: the softmax's backward */
+            for (int64_t j = 0; j < seen; j += LANES) {
+                const vf kj = kept(kr + j, seen - j, dp->pscale), pj = vload_first(pr + j, seen - j);
+                const vf dp_j = vload(dsr + j) * kj;
+                vstore(dsr + j, dp_j);
+                vstore(pdr + j, pj * kj);
+                delta += pj * dp_j;
             }
-            const __m512 dv_ = _mm512_set1_ps(_mm512_reduce_add_ps(delta));
-            for (int64_t j = 0; j < nk; j += 16) {
-                const __mmask16 lanes = j < seen ? first(seen - j) : 0;
-                const __m512 pj = _mm512_maskz_loadu_ps(lanes, pr + j);
-                const __m512 g = _mm512_mul_ps(_mm512_mul_ps(pj, _mm512_sub_ps(_mm512_loadu_ps(dsr + j), dv_)), sc);
-                _mm512_storeu_ps(dsr + j, _mm512_maskz_mov_ps(lanes, g));
-                _mm512_storeu_ps(pdr + j, _mm512_maskz_mov_ps(lanes, _mm512_loadu_ps(pdr + j)));
+            const float dv_ = sum_lanes(delta);
+            for (int64_t j = 0; j < nk; j += LANES) {
+                const vi lanes = lanes_below(seen - j);
+                const vf pj = j < seen ? vload_first(pr + j, seen - j) : (vf){0};
+                const vf g = (pj * (vload(dsr + j) - dv_)) * scale;
+                vstore(dsr + j, vkeep(lanes, g));
+                vstore(pdr + j, vkeep(lanes, vload(pdr + j)));
             }
         }
         weighted_rows(ds, tp, k, kst, n, i0, rows, ones, dq, dqst); /* dq_i = sum_j dS_ij k_j */
@@ -271,17 +276,17 @@ static int64_t scratch_floats(int64_t T, int backward)
     const int64_t tp = (T + KB - 1) / KB * KB;
     return backward ? (D + 2 * R) * tp + 2 * tp * D : (D + R) * tp;
 }
+
 /* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
  * vst), into out. Keys j with mask[j] == 0 (mask NULL: none) are never read, and neither are their value
- * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats (a multiply
- * and 3 FMAs of 16 lanes, then a sum), then the same exact softmax as head_forward's over the keys
- * attended, then the weighted sum of their value rows in two interleaved sets of accumulators. No key
- * attended: zeros, as sdpa. */
+ * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats (D / LANES
+ * vector FMAs, then a sum), then the same exact softmax as head_forward's over the keys attended, then the
+ * weighted sum of their value rows, two keys at a time. No key attended: zeros, as sdpa. */
 static void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst, const uint8_t *mask,
                         int64_t T, float scale, float *s, float *o)
 {
-    __m512 qv[D / 16];
-    for (int c = 0; c < D / 16; c++) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+    vf qv[D / LANES];
+    for (int c = 0; c < D / LANES; c++) qv[c] = vload(q + LANES * c) * scale;
     int64_t seen = 0;
     for (int64_t j = 0; j < T; j++) {
         if (mask && !mask[j]) {
@@ -289,51 +294,51 @@ static void head_decode(const float *q, const float *k, int64_t kst, const float
             continue;
         }
         const float *kj = k + j * kst;
-        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-        for (int c = 1; c < D / 16; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), d);
-        s[j] = _mm512_reduce_add_ps(d);
+        vf d = qv[0] * vload(kj);
+        for (int c = 1; c < D / LANES; c++) d += qv[c] * vload(kj + LANES * c);
+        s[j] = sum_lanes(d);
         seen++;
     }
-    __m512 acc[2][D / 16];
-    for (int c = 0; c < D / 16; c++) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
     if (!seen) {
-        for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, acc[0][c]);
+        memset(o, 0, sizeof(float) * D);
         return;
     }
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    __m512 m = minus_inf, sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < T; j += 16) {
-        const __mmask16 lanes = first(T - j);
-        m = _mm512_mask_max_ps(m, lanes, m, _mm512_maskz_loadu_ps(lanes, s + j));
+    vf m = vsplat(-INFINITY), sum = {0};
+    for (int64_t j = 0; j < T; j += LANES)
+        m = vselect(lanes_below(T - j), max_v(vload_first(s + j, T - j), m), m);
+    const float mv = max_lanes(m);
+    for (int64_t j = 0; j < T; j += LANES) {
+        const vf sj = vload_first(s + j, T - j);
+        /* a masked score (-inf) weighs exactly 0 (exp_v's clamp would give 1.4e-45); a NaN stays NaN */
+        const vf e = vkeep(lanes_below(T - j) & (sj != -INFINITY), exp_v(sj - mv));
+        vstore_first(s + j, e, T - j);
+        sum += e;
     }
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    for (int64_t j = 0; j < T; j += 16) {
-        const __mmask16 lanes = first(T - j);
-        const __m512 sj = _mm512_maskz_loadu_ps(lanes, s + j);
-        /* a masked score (-inf) weighs exactly 0 (exp_ps's clamp would give 1.4e-45); a NaN stays NaN */
-        const __mmask16 attended = lanes & _mm512_cmp_ps_mask(sj, minus_inf, _CMP_NEQ_UQ);
-        const __m512 e = _mm512_maskz_mov_ps(attended, exp_ps(_mm512_sub_ps(sj, mv)));
-        _mm512_mask_storeu_ps(s + j, lanes, e);
-        sum = _mm512_add_ps(sum, e);
+    const float f = 1.0f / sum_lanes(sum);
+    /* the value rows of the attended keys, two at a time into two sets of accumulators (two chains of
+     * FMAs a vector of the head) */
+    vf acc0[D / LANES], acc1[D / LANES];
+    for (int c = 0; c < D / LANES; c++) acc0[c] = acc1[c] = (vf){0};
+    int64_t j = 0;
+    while (1) {
+        while (j < T && mask && !mask[j]) j++;
+        int64_t j1 = j + 1;
+        while (j1 < T && mask && !mask[j1]) j1++;
+        if (j >= T) break;
+        const float *v0 = v + j * vst;
+        if (j1 < T) {
+            const float *v1 = v + j1 * vst;
+            for (int c = 0; c < D / LANES; c++) {
+                acc0[c] += vload(v0 + LANES * c) * s[j];
+                acc1[c] += vload(v1 + LANES * c) * s[j1];
+            }
+        } else {
+            for (int c = 0; c < D / LANES; c++) acc0[c] += vload(v0 + LANES * c) * s[j];
+        }
+        j = j1 + 1;
     }
-    const __m512 f = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    int h = 0; /* the accumulator set of the next attended key */
-    for (int64_t j = 0; j < T; j++) {
-        if (mask && !mask[j]) continue;
-        const __m512 w = _mm512_set1_ps(s[j]);
-        const float *vj = v + j * vst;
-        for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[h][c]);
-        h ^= 1;
-    }
-    for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[0][c], acc[1][c]), f));
+    for (int c = 0; c < D / LANES; c++) vstore(o + LANES * c, (acc0[c] + acc1[c]) * f);
 }
-
-#else
-#define VECTORIZED 0
-#endif
-
-/* 1 where this build has the AVX-512 (F, BW, VL) kernel; 0 elsewhere (the caller then runs torch's sdpa). */
-int hfgpt_attention_vectorized(void) { return VECTORIZED; }
 
 /* The tensors of one call, each (B, H, T, D) with strides [batch, head, position] given in floats (the last
  * dimension contiguous): q, k, v and out for a forward; q, k, v, dout, dq, dk and dv for a backward. */
@@ -350,11 +355,9 @@ typedef struct {
 #define HEAD(m, s, b, h) ((m) + (b) * (s)[0] + (h) * (s)[1])
 
 /* head_forward or head_backward for every (batch, head), one per task of the OpenMP threads, each thread
- * with its own scratch. Returns 0; 1 where scratch memory could not be allocated; 2 in a build without
- * the kernel. */
+ * with its own scratch. Returns 0, or 1 where scratch memory could not be allocated. */
 static int run_heads(const call_t *c, int64_t B, int backward, int threads)
 {
-#if VECTORIZED
     if (B <= 0 || c->H <= 0 || c->T <= 0) return 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -380,10 +383,6 @@ static int run_heads(const call_t *c, int64_t B, int backward, int threads)
         free(scratch);
     }
     return failed;
-#else
-    (void)c, (void)B, (void)backward, (void)threads;
-    return 2;
-#endif
 }
 
 /* The entry points: tensors as in call_t; they return run_heads' status, or 3 (training) for a band that
@@ -425,7 +424,6 @@ int hfgpt_attention_train_backward(const float *q, const float *k, const float *
     return run_heads(&c, B, 1, threads);
 }
 
-#if VECTORIZED
 /* head_decode for every (batch, head), one per task of the OpenMP threads, each thread with its own
  * scratch. Returns 0, or 1 where scratch memory could not be allocated. */
 static int decode_heads(const float *q, const float *k, const float *v, float *out, const uint8_t *mask,
@@ -454,21 +452,14 @@ static int decode_heads(const float *q, const float *k, const float *v, float *o
     }
     return failed;
 }
-#endif
 
 /* One decoding step: q (B, H, 1, D) against k and v (B, H, T, D), strides [batch, head, position] in floats
  * (q's and out's position strides unused), out (B, H, 1, D) at its strides. mask: NULL, or bytes (1 =
- * attend) for batch entry b's T keys at mask + b * mask_stride (0: one row for all). Returns 0; 1 where
- * scratch memory could not be allocated; 2 in a build without the kernel. */
+ * attend) for batch entry b's T keys at mask + b * mask_stride (0: one row for all). Returns 0, or 1 where
+ * scratch memory could not be allocated. */
 int hfgpt_attention_decode(const float *q, const float *k, const float *v, float *out, const uint8_t *mask,
                            int64_t mask_stride, int64_t B, int64_t H, int64_t T, const int64_t *qs, const int64_t *ks,
                            const int64_t *vs, const int64_t *os, float scale, int threads)
 {
-#if VECTORIZED
     return decode_heads(q, k, v, out, mask, mask_stride, B, H, T, qs, ks, vs, os, scale, threads);
-#else
-    (void)q, (void)k, (void)v, (void)out, (void)mask, (void)mask_stride, (void)B, (void)H, (void)T;
-    (void)qs, (void)ks, (void)vs, (void)os, (void)scale, (void)threads;
-    return 2;
-#endif
 }

@@ -11,15 +11,17 @@
  * accumulators, so that it reads one sequential stream. `[in, out]`: each thread takes a contiguous run
  * of the weight's rows too, adding x[i] w[i, :] into a partial sum of its own (in cache) eight rows at a
  * time; the partial sums and the bias are then added. The sums run in another order than MKL's: equal to
- * float rounding.
+ * float rounding. One portable source (vector_math.h's vectors, as wide as the host's: AVX2, AVX-512,
+ * NEON).
+ *
+ * The bfloat16 product (`hfgpt_row_product_bf16`) is the one part in intrinsics: AVX-512 BF16's VDPBF16PS
+ * multiplies pairs of bfloat16 and sums them in float32 in one instruction, which a CPU without it has no
+ * counterpart of (its callers then run oneDNN or torch).
  */
+#include <omp.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <omp.h>
-
 #include "vector_math.h"
-#define VECTORIZED 1
 #define PARALLEL_FROM 32768 /* weight elements: fewer run on the calling thread */
 
 /* y[o] = sum_i x[i] w[o, i] (+ bias[o]) for o < out; w contiguous, out x in. */
@@ -28,23 +30,21 @@ int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, c
 {
     if (out < 0 || in < 0 || threads < 1)
         return 2;
-    const int64_t full = in / 64 * 64;
+    const int64_t full = in / (4 * LANES) * (4 * LANES);
 #pragma omp parallel for num_threads(threads) schedule(static) if (out * in >= PARALLEL_FROM)
     for (int64_t o = 0; o < out; o++) {
         const float *p = w + o * in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         int64_t i = 0;
-        for (; i < full; i += 64) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(x + i), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+        for (; i < full; i += 4 * LANES) {
+            a0 += vload(p + i) * vload(x + i);
+            a1 += vload(p + i + LANES) * vload(x + i + LANES);
+            a2 += vload(p + i + 2 * LANES) * vload(x + i + 2 * LANES);
+            a3 += vload(p + i + 3 * LANES) * vload(x + i + 3 * LANES);
         }
-        for (; i < in; i += 16) {
-            const __mmask16 m = first(in - i);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + i), _mm512_maskz_loadu_ps(m, x + i), a0);
-        }
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        for (; i < in; i += LANES)
+            a0 += vload_first(p + i, in - i) * vload_first(x + i, in - i);
+        const float sum = sum_lanes((a0 + a1) + (a2 + a3));
         y[o] = bias ? sum + bias[o] : sum;
     }
     return 0;
@@ -55,31 +55,26 @@ static void add_rows(const float *x, const float *w, int64_t out, int64_t from, 
 {
     int64_t i = from;
     for (; i + 8 <= to; i += 8) {
-        __m512 xv[8];
-        for (int k = 0; k < 8; k++)
-            xv[k] = _mm512_set1_ps(x[i + k]);
         const float *p = w + i * out;
-        for (int64_t c = 0; c < out; c += 16) {
-            const __mmask16 m = first(out - c);
-            __m512 s0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), xv[0]);
-            __m512 s1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + out + c), xv[1]);
-            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 2 * out + c), xv[2], s0);
-            s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 3 * out + c), xv[3], s1);
-            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 4 * out + c), xv[4], s0);
-            s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 5 * out + c), xv[5], s1);
-            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 6 * out + c), xv[6], s0);
-            s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + 7 * out + c), xv[7], s1);
-            _mm512_mask_storeu_ps(acc + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + c), _mm512_add_ps(s0, s1)));
+        const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
+        const float x4 = x[i + 4], x5 = x[i + 5], x6 = x[i + 6], x7 = x[i + 7];
+        for (int64_t c = 0; c < out; c += LANES) {
+            const int64_t n = out - c;
+            vf s0 = vload_first(p + c, n) * x0;
+            vf s1 = vload_first(p + out + c, n) * x1;
+            s0 += vload_first(p + 2 * out + c, n) * x2;
+            s1 += vload_first(p + 3 * out + c, n) * x3;
+            s0 += vload_first(p + 4 * out + c, n) * x4;
+            s1 += vload_first(p + 5 * out + c, n) * x5;
+            s0 += vload_first(p + 6 * out + c, n) * x6;
+            s1 += vload_first(p + 7 * out + c, n) * x7;
+            vstore_first(acc + c, vload_first(acc + c, n) + (s0 + s1), n);
         }
     }
     for (; i < to; i++) {
-        const __m512 x0 = _mm512_set1_ps(x[i]);
         const float *p = w + i * out;
-        for (int64_t c = 0; c < out; c += 16) {
-            const __mmask16 m = first(out - c);
-            _mm512_mask_storeu_ps(acc + c, m,
-                                  _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + c), x0, _mm512_maskz_loadu_ps(m, acc + c)));
-        }
+        for (int64_t c = 0; c < out; c += LANES)
+            vstore_first(acc + c, vload_first(p + c, out - c) * x[i] + vload_first(acc + c, out - c), out - c);
     }
 }
 
@@ -95,27 +90,23 @@ int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, co
         const int64_t per = ((in + team - 1) / team + 7) / 8 * 8; /* whole groups of eight rows a thread */
         const int64_t from = t * per < in ? t * per : in, to = from + per < in ? from + per : in;
         float *acc = scratch + t * out;
-        for (int64_t c = 0; c < out; c += 16)
-            _mm512_mask_storeu_ps(acc + c, first(out - c), _mm512_setzero_ps());
+        memset(acc, 0, sizeof(float) * (size_t)out);
         add_rows(x, w, out, from, to, acc);
 #pragma omp barrier
-        const int64_t vectors = (out + 15) / 16, share = (vectors + team - 1) / team;
-        for (int64_t c = t * share * 16; c < out && c < (t + 1) * share * 16; c += 16) {
-            const __mmask16 m = first(out - c);
-            __m512 s = bias ? _mm512_maskz_loadu_ps(m, bias + c) : _mm512_setzero_ps();
+        const int64_t vectors = (out + LANES - 1) / LANES, share = (vectors + team - 1) / team;
+        for (int64_t c = t * share * LANES; c < out && c < (t + 1) * share * LANES; c += LANES) {
+            vf s = bias ? vload_first(bias + c, out - c) : (vf){0};
             for (int u = 0; u < team; u++)
-                s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(m, scratch + u * out + c));
-            _mm512_mask_storeu_ps(y + c, m, s);
+                s += vload_first(scratch + u * out + c, out - c);
+            vstore_first(y + c, s, out - c);
         }
     }
     return 0;
 }
-#else
-#define VECTORIZED 0
-#endif
 
-#if VECTORIZED && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BFLOAT16 1
+#include <immintrin.h>
 
 /* float -> bfloat16, rounding to nearest even (a NaN stays a quiet NaN) */
 static inline uint16_t to_bfloat16(float value)
@@ -173,24 +164,6 @@ int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, in
 }
 #endif
 
-#if !VECTORIZED
-
-int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, const float *bias, float *y,
-                      int threads)
-{
-    (void)x, (void)w, (void)out, (void)in, (void)bias, (void)y, (void)threads;
-    return 3;
-}
-
-int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, const float *bias, float *y,
-                     float *scratch, int threads)
-{
-    (void)x, (void)w, (void)in, (void)out, (void)bias, (void)y, (void)scratch, (void)threads;
-    return 3;
-}
-#endif
-
-/* Whether this build has the vector path (else the entry points return 3 and callers run torch's ops), and
- * the bfloat16 one (AVX-512 BF16). */
-int hfgpt_row_product_vectorized(void) { return VECTORIZED; }
+/* Whether this build has the bfloat16 product (AVX-512 BF16; else it returns 3 and callers run oneDNN or
+ * torch). */
 int hfgpt_row_product_bf16_available(void) { return BFLOAT16; }
