@@ -14,14 +14,14 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel, eager_attention_forward
+from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel
 from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
 from . import kernels
 from .huge_pages import gather_into_huge_pages
+from .layers import attention_function
 from .ops import (
     FEW_ROWS,
     fast_product_applies,
@@ -368,10 +368,8 @@ def _attend(
     query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attn.config._attn_implementation, eager_attention_forward
-    )
-    output, _ = interface(
+    # the backend's attention where the model asked for sdpa, as a kernelized GPTAttention calls it
+    output, _ = attention_function(attn)(
         attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs
     )
     return output

@@ -46,6 +46,23 @@ def test_int8_copy_has_int8_layers_everywhere_and_computes_a_loss(model):
     assert 0 < abs(loss - reference) < 0.01 * reference
 
 
+def test_the_decoding_copy_attends_with_the_backends_attention(model, monkeypatch):
+    """The copy's attention is the backend's where the model asked for sdpa, which the config still says
+    (kernelize no longer renames it): the same calls as a kernelized model's attention layers."""
+    from hfgpt.cpu import layers
+
+    calls = []
+    monkeypatch.setattr(
+        layers, "cpu_attention", lambda *a, **k: calls.append(1) or layers.sdpa_attention_forward(*a, **k)
+    )
+    quantized = quantize_for_decoding(model)
+    assert quantized.config._attn_implementation == "sdpa"
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        quantized.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert calls  # each layer, at the prompt and the decoding step
+
+
 def test_refuses_what_it_cannot_quantize(model):
     with pytest.raises(ValueError, match="float32 weights"):
         quantize_for_decoding(model.to(torch.bfloat16))
