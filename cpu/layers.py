@@ -14,7 +14,7 @@ What is swapped:
   products on hfgpt's C kernel, bfloat16 autocast casts into reused memory;
 - the MLP (`mlp_forward`): the GELU inside oneDNN's product, or in place, or on the C kernel;
 - the blocks' and embeddings' dropout (`dropout_forward`): byte masks from a counter-based generator;
-- attention (`attention_forward`, calling `cpu_attention`, registered as `hfgpt_cpu`, where the model
+- attention (`attention_interface`, calling `cpu_attention`, registered as `hfgpt_cpu`, where the model
   asked for `sdpa`): causal attention in bands of query rows, on the C kernel where it is built;
 - the LM head (`lm_head_forward`) and, in `GPTForCausalLM` with labels, the head and its loss together
   (`causal_lm_forward`): no vocabulary-wide gradient held at once, the gradient handed to the tied
@@ -97,36 +97,11 @@ def attention_function(module: nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, modeling_hfgpt.eager_attention_forward)
 
 
-def attention_forward(
-    self: GPTAttention,
-    hidden_states: torch.Tensor,  # (B, T, E)
-    attention_mask: torch.Tensor | None = None,
-    cache: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`GPTAttention.forward` with `attention_function(self)` as its attention: `config._attn_implementation`
+def attention_interface(self: GPTAttention) -> Callable:
+    """`GPTAttention.attention_interface`: `attention_function(self)`, so that `config._attn_implementation`
     stays what the user asked for (transformers' common test `test_sdpa_can_dispatch_non_composite_models`
     checks it), and the layer still runs hfgpt's CPU attention where that is `sdpa`."""
-    batch, seq_len, _ = hidden_states.shape
-    qkv = self.c_attn(hidden_states).view(batch, seq_len, 3, self.num_heads, self.head_dim)
-    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    input_dtype = query.dtype
-    if input_dtype not in (torch.float32, torch.float64) and self.config.reorder_and_upcast_attn:
-        query, key, value = query.float(), key.float(), value.float()
-    output, weights = attention_function(self)(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=self.attn_dropout if self.training else 0.0,
-        scaling=self.scaling,
-        **kwargs,
-    )
-    output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
-    return self.resid_dropout(self.c_proj(output)), weights
+    return attention_function(self)
 
 
 # --- layers -------------------------------------------------------------------------------------------
@@ -338,10 +313,9 @@ def _swap(module: nn.Module, name: str, function: Callable) -> None:
     setattr(module, name, MethodType(function, module))
 
 
-_SWAPPED = ("forward", "_auxiliary_lm_loss", "train")
+_SWAPPED = ("forward", "attention_interface", "_auxiliary_lm_loss", "train")
 ops.CPU_FORWARDS.update(
     {
-        attention_forward,
         conv1d_forward,
         mlp_forward,
         dropout_forward,
@@ -376,8 +350,8 @@ def kernelize(model: nn.Module) -> nn.Module:
                         _swap(child, "forward", conv1d_forward)
                 if type(block.mlp) is GPTMLP and "forward" not in block.mlp.__dict__:
                     _swap(block.mlp, "forward", mlp_forward)
-                if type(block.attn) is GPTAttention and "forward" not in block.attn.__dict__:
-                    _swap(block.attn, "forward", attention_forward)
+                if type(block.attn) is GPTAttention and "attention_interface" not in block.attn.__dict__:
+                    _swap(block.attn, "attention_interface", attention_interface)
         if isinstance(module, GPTPreTrainedModel):
             if isinstance(module, GPTForCausalLM | GPTDoubleHeadsModel):
                 head = module.lm_head
@@ -398,7 +372,8 @@ def unkernelize(model: nn.Module) -> nn.Module:
     for module in model.modules():
         for name in _SWAPPED:
             method = module.__dict__.get(name)
-            if isinstance(method, MethodType) and method.__func__ in ops.CPU_FORWARDS | {auxiliary_lm_loss}:
+            swapped = ops.CPU_FORWARDS | {auxiliary_lm_loss, attention_interface}
+            if isinstance(method, MethodType) and method.__func__ in swapped:
                 del module.__dict__[name]
         module.__dict__.pop("_head_buffers", None)
     return model

@@ -139,9 +139,7 @@ class GPTAttention(nn.Module):
             # `kwargs`: continuous batching's paged cache writes the attention's arguments into them.
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        attention_interface = self.attention_interface()
         input_dtype = query.dtype
         if input_dtype not in (torch.float32, torch.float64) and self.config.reorder_and_upcast_attn:
             # GPT-2's `reorder_and_upcast_attn`: scores and softmax in float32 under lower precision,
@@ -160,6 +158,13 @@ class GPTAttention(nn.Module):
         output = output.to(input_dtype).reshape(batch, seq_len, self.num_heads * self.head_dim)  # (B, T, E)
         output = self.resid_dropout(self.c_proj(output))
         return output, weights
+
+    def attention_interface(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        """The attention function `config._attn_implementation` names in transformers' registry (eager,
+        sdpa, flex_attention, flash_attention_2, ...). A backend may set its own on an instance."""
+        return ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
 
 
 class GPTMLP(nn.Module):
@@ -288,8 +293,7 @@ def _named_as_own_class(model: nn.Module) -> Iterator[None]:
     the instance's class for trust_remote_code (`custom_object_save`: `auto_map` gets
     `_fsdp_init.FSDPGPTForCausalLM`, and torch's `_fsdp_*.py` files are copied beside the checkpoint, which
     then fail to load: torch's operators registered twice). Named as the class it wraps, the same call
-    records hfgpt's class and copies hfgpt's two code files, also for `push_to_hub`, which uploads them
-    from inside that call."""
+    records hfgpt's class and copies hfgpt's two code files (`push_to_hub` uploads within that call)."""
     cls = type(model)
     if not cls.__module__.startswith("torch."):
         yield
