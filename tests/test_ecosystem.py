@@ -93,29 +93,19 @@ def run_recipe(folder: Path, title: str, names: list[str]) -> dict:
     script = folder / f"recipe-{re.sub(r'[^a-z0-9]+', '-', title.lower())}.py"
     script.write_text("\n".join(blocks(title, "python")))
     out = script.with_suffix(".json")
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)],
-        cwd=folder,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"{title}: {result.stderr[-6000:]}"
+    checked_run([sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)], folder, title)
     return json.loads(out.read_text())
 
 
-def run_shell(folder: Path, command: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        ["bash", "-c", command],
-        cwd=folder,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"{command}: {result.stderr[-6000:]}"
+def checked_run(argv: list[str], folder: Path, what: str) -> subprocess.CompletedProcess:
+    """`argv` run in `folder` with the recipes' environment; a failure shows the end of its stderr."""
+    result = subprocess.run(argv, cwd=folder, env=environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{what}: {result.stderr[-6000:]}"
     return result
+
+
+def run_shell(folder: Path, command: str) -> subprocess.CompletedProcess:
+    return checked_run(["bash", "-c", command], folder, command)
 
 
 def needs(*modules: str) -> None:
