@@ -5,16 +5,17 @@ the CPU from outside, the way the `kernels` package's `kernelize` does: it repla
 model's layers on the instances (never on the classes, so other models and checkpoints' copies of the
 code are untouched), and registers its attention with transformers' `AttentionInterface` as
 `hfgpt_cpu`, which each swapped attention layer calls where the model asked for `sdpa` (the config keeps
-saying `sdpa`: the backend never renames what the user asked for). Every swapped forward checks, call by call, whether its faster path applies (CPU tensors,
-float32 or bfloat16, eager, no hooks it would skip) and otherwise runs the layer's own forward, so a
-kernelized model moved to a GPU or to float16 computes exactly the plain model.
+saying `sdpa`: the backend never renames what the user asked for). Every swapped forward checks, call by
+call, whether its faster path applies (CPU tensors, float32 or bfloat16, eager, no hooks it would skip)
+and otherwise runs the layer's own forward, so a kernelized model moved to a GPU or to float16 computes
+exactly the plain model.
 
 What is swapped:
 - transformers' `Conv1D` products (`conv1d_forward`): oneDNN's product forward and backward, one-row
   products on hfgpt's C kernel, bfloat16 autocast casts into reused memory;
 - the MLP (`mlp_forward`): the GELU inside oneDNN's product, or in place, or on the C kernel;
 - the blocks' and embeddings' dropout (`dropout_forward`): byte masks from a counter-based generator;
-- attention (`attention_interface`, calling `cpu_attention`, registered as `hfgpt_cpu`, where the model
+- attention (`attention_function`, calling `cpu_attention`, registered as `hfgpt_cpu`, where the model
   asked for `sdpa`): causal attention in bands of query rows, on the C kernel where it is built;
 - the LM head (`lm_head_forward`) and, in `GPTForCausalLM` with labels, the head and its loss together
   (`causal_lm_forward`): no vocabulary-wide gradient held at once, the gradient handed to the tied
@@ -87,21 +88,15 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks sdpa takes: b
 
 
 def attention_function(module: nn.Module) -> Callable:
-    """The attention function a kernelized attention layer calls: `cpu_attention` where its config asks
-    for `sdpa` (the same values as sdpa, which it runs wherever its faster paths do not apply), else the
-    one the config names, as `GPTAttention.forward` looks it up. transformers' own `sdpa` entry stays
+    """`GPTAttention.attention_interface` of a kernelized layer: `cpu_attention` where its config asks for
+    `sdpa` (the same values as sdpa, which it runs wherever its faster paths do not apply), else the one the
+    config names. The config keeps what the user asked for (transformers' common test
+    `test_sdpa_can_dispatch_non_composite_models` checks it), and transformers' own `sdpa` entry stays
     untouched, so its models (GPT2LMHeadModel, ...) are unchanged."""
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         return cpu_attention
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, modeling_hfgpt.eager_attention_forward)
-
-
-def attention_interface(self: GPTAttention) -> Callable:
-    """`GPTAttention.attention_interface`: `attention_function(self)`, so that `config._attn_implementation`
-    stays what the user asked for (transformers' common test `test_sdpa_can_dispatch_non_composite_models`
-    checks it), and the layer still runs hfgpt's CPU attention where that is `sdpa`."""
-    return attention_function(self)
 
 
 # --- layers -------------------------------------------------------------------------------------------
@@ -315,14 +310,7 @@ def _swap(module: nn.Module, name: str, function: Callable) -> None:
 
 _SWAPPED = ("forward", "attention_interface", "_auxiliary_lm_loss", "train")
 ops.CPU_FORWARDS.update(
-    {
-        conv1d_forward,
-        mlp_forward,
-        dropout_forward,
-        lm_head_forward,
-        causal_lm_forward,
-        train_forward,
-    }
+    {conv1d_forward, mlp_forward, dropout_forward, lm_head_forward, causal_lm_forward, train_forward}
 )
 
 
@@ -351,7 +339,7 @@ def kernelize(model: nn.Module) -> nn.Module:
                 if type(block.mlp) is GPTMLP and "forward" not in block.mlp.__dict__:
                     _swap(block.mlp, "forward", mlp_forward)
                 if type(block.attn) is GPTAttention and "attention_interface" not in block.attn.__dict__:
-                    _swap(block.attn, "attention_interface", attention_interface)
+                    _swap(block.attn, "attention_interface", attention_function)
         if isinstance(module, GPTPreTrainedModel):
             if isinstance(module, GPTForCausalLM | GPTDoubleHeadsModel):
                 head = module.lm_head
@@ -369,10 +357,10 @@ def kernelize(model: nn.Module) -> nn.Module:
 def unkernelize(model: nn.Module) -> nn.Module:
     """Undo `kernelize`: every module of `model` computes its class's own forward again (attention as its
     config names it: transformers' sdpa where it asks for `sdpa`). Returns `model`."""
+    swapped = ops.CPU_FORWARDS | {auxiliary_lm_loss, attention_function}
     for module in model.modules():
         for name in _SWAPPED:
             method = module.__dict__.get(name)
-            swapped = ops.CPU_FORWARDS | {auxiliary_lm_loss, attention_interface}
             if isinstance(method, MethodType) and method.__func__ in swapped:
                 del module.__dict__[name]
         module.__dict__.pop("_head_buffers", None)

@@ -21,7 +21,6 @@ from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
 from . import kernels
 from .huge_pages import gather_into_huge_pages
-from .layers import attention_function
 from .ops import (
     FEW_ROWS,
     fast_product_applies,
@@ -368,8 +367,7 @@ def _attend(
     query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
-    # the backend's attention where the model asked for sdpa, as a kernelized GPTAttention calls it
-    output, _ = attention_function(attn)(
+    output, _ = attn.attention_interface()(
         attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs
     )
     return output
