@@ -92,84 +92,68 @@ DYNAMIC, STATIC, GRAPHS, CONTINUOUS = (
 )
 DECODE_KINDS = (DYNAMIC, STATIC, GRAPHS, CONTINUOUS)
 
-# Sizes per profile. `full` measures everything; `quick` the rows the issues' claims need (the most important
-# first, as in `full`); `tiny` shrinks the models (hidden 32, 2 layers) for the CPU smoke run.
-PROFILES: dict[str, dict[str, Any]] = {
-    "full": dict(
-        train_models=("gpt2", "gpt2-medium"),
-        train_batch=16,
-        seq_len=1024,
-        # (dropout, contenders): GPT-2's own dropout 0.1 for hfgpt against transformers, 0 against the reference.
-        train_groups=(
-            (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED), (HFGPT, EAGER), (TRANSFORMERS, EAGER))),
-            (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED), (TRANSFORMERS, COMPILED), (REFERENCE, EAGER))),
-        ),
-        train_warmup=2,
-        train_repeats=10,
-        budget_models=("gpt2", "gpt2-medium"),
-        budget_impls=(HFGPT, TRANSFORMERS, REFERENCE),
-        budget_batches=(8, 512),  # first try, most tried
-        budget_step=4,  # the search stops when fit and unfit batches are this close
-        decode_families=("gpt2", "openai-gpt"),
-        decode_kinds={"gpt2": DECODE_KINDS, "openai-gpt": DECODE_KINDS},
-        decode_batches=(1, 64),
-        prompt_len=64,
-        new_tokens=256,
-        decode_repeats=3,
-        slow_repeats=1,  # transformers' GPT-1, which recomputes the sequence at every step
-        matmul_size=8192,
-        read_bytes=1 << 30,
-        model_overrides={},
+# Sizes per profile, `quick` and `tiny` written as changes to `full`. `full` measures everything; `quick` the
+# rows the issues' claims need (the most important first, as in `full`); `tiny` shrinks the models (hidden
+# 32, 2 layers) for the CPU smoke run.
+FULL_PROFILE: dict[str, Any] = dict(
+    train_models=("gpt2", "gpt2-medium"),
+    train_batch=16,
+    seq_len=1024,
+    # (dropout, contenders): GPT-2's own dropout 0.1 for hfgpt against transformers, 0 against the reference.
+    train_groups=(
+        (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED), (HFGPT, EAGER), (TRANSFORMERS, EAGER))),
+        (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED), (TRANSFORMERS, COMPILED), (REFERENCE, EAGER))),
     ),
-    "quick": dict(
-        train_models=("gpt2", "gpt2-medium"),
-        train_batch=16,
-        seq_len=1024,
-        train_groups=(
-            (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED), (HFGPT, EAGER), (TRANSFORMERS, EAGER))),
+    train_warmup=2,
+    train_repeats=10,
+    budget_models=("gpt2", "gpt2-medium"),
+    budget_impls=(HFGPT, TRANSFORMERS, REFERENCE),
+    budget_batches=(8, 512),  # first try, most tried
+    budget_step=4,  # the search stops when fit and unfit batches are this close
+    decode_families=("gpt2", "openai-gpt"),
+    decode_kinds={"gpt2": DECODE_KINDS, "openai-gpt": DECODE_KINDS},
+    decode_batches=(1, 64),
+    prompt_len=64,
+    new_tokens=256,
+    decode_repeats=3,
+    slow_repeats=1,  # transformers' GPT-1, which recomputes the sequence at every step
+    matmul_size=8192,
+    read_bytes=1 << 30,
+    model_overrides={},
+)
+PROFILES: dict[str, dict[str, Any]] = {
+    "full": FULL_PROFILE,
+    "quick": {
+        **FULL_PROFILE,
+        "train_groups": (
+            FULL_PROFILE["train_groups"][0],
             (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED))),
         ),
-        train_warmup=2,
-        train_repeats=6,
-        budget_models=("gpt2",),
-        budget_impls=(HFGPT, TRANSFORMERS),
-        budget_batches=(16, 256),
-        budget_step=8,
-        decode_families=("gpt2", "openai-gpt"),
-        decode_kinds={"gpt2": DECODE_KINDS, "openai-gpt": (DYNAMIC,)},
-        decode_batches=(1, 64),
-        prompt_len=64,
-        new_tokens=256,
-        decode_repeats=2,
-        slow_repeats=1,
-        matmul_size=8192,
-        read_bytes=1 << 30,
-        model_overrides={},
-    ),
-    "tiny": dict(
-        train_models=("gpt2",),
-        train_batch=2,
-        seq_len=32,
-        train_groups=(
-            (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED), (HFGPT, EAGER), (TRANSFORMERS, EAGER))),
-            (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED), (TRANSFORMERS, COMPILED), (REFERENCE, EAGER))),
-        ),
-        train_warmup=1,
-        train_repeats=2,
-        budget_models=("gpt2",),
-        budget_impls=(HFGPT, TRANSFORMERS, REFERENCE),
-        budget_batches=(1, 4),
-        budget_step=1,
-        decode_families=("gpt2", "openai-gpt"),
-        decode_kinds={"gpt2": DECODE_KINDS, "openai-gpt": DECODE_KINDS},
-        decode_batches=(1, 3),
-        prompt_len=8,
-        new_tokens=6,
-        decode_repeats=1,
-        slow_repeats=1,
-        matmul_size=256,
-        read_bytes=1 << 20,
-        model_overrides=dict(
+        "train_repeats": 6,
+        "budget_models": ("gpt2",),
+        "budget_impls": (HFGPT, TRANSFORMERS),
+        "budget_batches": (16, 256),
+        "budget_step": 8,
+        "decode_kinds": {"gpt2": DECODE_KINDS, "openai-gpt": (DYNAMIC,)},
+        "decode_repeats": 2,
+    },
+    "tiny": {
+        **FULL_PROFILE,
+        "train_models": ("gpt2",),
+        "train_batch": 2,
+        "seq_len": 32,
+        "train_warmup": 1,
+        "train_repeats": 2,
+        "budget_models": ("gpt2",),
+        "budget_batches": (1, 4),
+        "budget_step": 1,
+        "decode_batches": (1, 3),
+        "prompt_len": 8,
+        "new_tokens": 6,
+        "decode_repeats": 1,
+        "matmul_size": 256,
+        "read_bytes": 1 << 20,
+        "model_overrides": dict(
             n_embd=32,
             n_layer=2,
             n_head=2,
@@ -178,7 +162,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             bos_token_id=999,
             eos_token_id=999,
         ),
-    ),
+    },
 }
 
 
