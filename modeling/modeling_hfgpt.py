@@ -362,8 +362,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = hidden.new_zeros((), dtype=exact)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = hidden[start : start + chunk_rows].to(dtype)
-            counted = targets[start : start + chunk_rows] != ignore_index
-            target = torch.where(counted, targets[start : start + chunk_rows], 0)[:, None]
+            chunk_targets = targets[start : start + chunk_rows]
+            counted = chunk_targets != ignore_index
+            target = torch.where(counted, chunk_targets, 0)[:, None]
             logits = (rows @ low_weight.T).to(exact)  # (C, V)
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             loss = loss + ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
