@@ -397,7 +397,7 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
 @torch.library.custom_op("hfgpt::row_product_bf16", mutates_args=(), device_types="cpu")
 def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a bfloat16 `[out, in]` weight, summed
-    in float32 and rounded once (csrc/row_product.c, AVX-512 BF16)."""
+    in float32 and rounded once (csrc/row_product.c)."""
     _expect_row("row_product_bf16", torch.bfloat16, x, weight, bias)
     out, width = weight.shape
     if x.shape[1] != width or (bias is not None and bias.numel() != out):
@@ -413,11 +413,6 @@ def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 @row_product_bf16.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(1, weight.shape[0])
-
-
-def row_product_bf16_available() -> bool:
-    """Whether `row_product_bf16` runs here: the CPU has AVX-512 BF16 and the library is built for it."""
-    return available("row_product") and bool(native.kernel("row_product").hfgpt_row_product_bf16_available())
 
 
 # ---------------------------------------------------------------------------------------- LM loss

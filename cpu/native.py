@@ -113,7 +113,6 @@ SIGNATURES = {
         ),
     },
     "row_product": {
-        "hfgpt_row_product_bf16_available": (ctypes.c_int, []),
         # x, w, out, in, bias, y, threads (bfloat16 x, w, bias and y)
         "hfgpt_row_product_bf16": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
         # x, w, out, in, bias, y, threads

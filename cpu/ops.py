@@ -1026,11 +1026,10 @@ def one_row_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a contiguous bfloat16 `[out, in]`
-    weight (and bias), without gradients, on hfgpt's C kernel (csrc/row_product.c, AVX-512 BF16): each
-    thread reads its run of the weight's rows once, pairs of products summed in float32 as oneDNN's
-    bfloat16 product sums them, the bias added and the sum rounded to bfloat16 once. None where it does
-    not apply (no such CPU or kernel, gradients, another dtype, a non-contiguous weight): callers run
-    their product. The CPU's bfloat16 one-row products through oneDNN or torch read the weight well below
+    weight (and bias), without gradients, on hfgpt's C kernel (csrc/row_product.c): each thread reads
+    its run of the weight's rows once, the products summed in float32 as oneDNN's bfloat16 product sums
+    them, the bias added and the sum rounded to bfloat16 once. None where it does not apply (no kernel,
+    gradients, another dtype, a non-contiguous weight): callers run their product. The CPU's bfloat16 one-row products through oneDNN or torch read the weight well below
     the memory's rate, which bounds a one-row decoding step (benchmarks/RESULTS.md)."""
     tensors = [x, weight, *([] if bias is None else [bias])]
     if (
@@ -1041,7 +1040,7 @@ def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         or torch.is_autocast_enabled("cpu")
     ):
         return None
-    if not (kernel_runs("row_product", *tensors) and kernels.row_product_bf16_available()):
+    if not kernel_runs("row_product", *tensors):
         return None
     return kernels.row_product_bf16(x, weight, bias)
 

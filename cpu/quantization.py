@@ -42,8 +42,9 @@ class DecodingLinear(nn.Linear):
     - float32, 1-`FEW_ROWS` rows (a decoding step): `few_rows_product`, as `project_to_vocab` computes the
       LM head: MKL's one-row kernel for `F.linear`, and Conv1D's `addmm`, read the weight more slowly
       (benchmarks/RESULTS.md); one row split between the threads (`one_row_product`).
-    - bfloat16 without gradients: at one row, hfgpt's C kernel where the CPU has AVX-512 BF16
-      (`one_row_bfloat16`); else oneDNN's linear op (`_bfloat16_onednn_applies`), which reads GPT-2's
+    - bfloat16 without gradients: at one row, hfgpt's C kernel (`one_row_bfloat16`); at more rows, or
+      without a C compiler, oneDNN's linear op where it takes bfloat16 (`_bfloat16_onednn_applies`: a
+      CPU with AVX-512), which reads GPT-2's
       weights at one row faster than `F.linear`'s bfloat16 path, the LM head included, with the same
       values (GPT-2 logits equal, greedy tokens equal).
     """
@@ -485,8 +486,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
       attention wherever nothing (a hook, training, gradients) needs the block's modules called.
     - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
-      products through oneDNN's linear op; at one row on hfgpt's C kernel where the CPU has AVX-512
-      BF16, `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).
+      products through oneDNN's linear op where it takes bfloat16; at one row on hfgpt's C kernel,
+      `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).
       For one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's
       `[in, out]`, which a plain `model.to(torch.bfloat16)` would keep.
     Its weights then share one mapping advised into transparent huge pages (`huge_pages`, Linux), which

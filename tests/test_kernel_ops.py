@@ -14,9 +14,6 @@ from hfgpt.cpu.quantization import Int8Linear
 needs_int8 = pytest.mark.skipif(not kernels.available("int8_linear"), reason="no C compiler here")
 needs_dropout = pytest.mark.skipif(not kernels.available("dropout"), reason="no C compiler here")
 needs_fused_int8 = pytest.mark.skipif(not kernels.int8_fused_available(), reason="no C compiler here")
-needs_bfloat16 = pytest.mark.skipif(
-    not kernels.row_product_bf16_available(), reason="the bfloat16 row product needs AVX512_BF16 (VDPBF16PS)"
-)
 
 
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -157,7 +154,7 @@ def test_the_attention_operator_names_what_it_refuses():
         kernels.attention_train_forward(q, k, v, keeps * 2, probs * 2, 0.125, 0.1)
 
 
-@needs_bfloat16
+@needs_kernel
 def test_bfloat16_row_product_passes_opcheck():
     x, weight = randn(1, 48, dtype=torch.bfloat16), randn(40, 48, seed=1, dtype=torch.bfloat16)
     torch.library.opcheck(kernels.row_product_bf16, (x, weight, None))

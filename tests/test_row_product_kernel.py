@@ -138,62 +138,58 @@ def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_i
 def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_path, monkeypatch):
     """csrc/row_product.c built for narrower vectors than the host's (`NARROW_TARGETS`: AVX2's 8 lanes, the
     baseline's 4 without FMA) is the same source as
-    the native build: the same products to float rounding, at widths that end in a partial vector, and no
-    bfloat16 product (it needs AVX512_BF16)."""
+    the native build: the same products to float rounding, at widths that end in a partial vector, the
+    bfloat16 one's included."""
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(1, 203, generator=generator), torch.randn(45, 203, generator=generator)
     conv_weight, bias = torch.randn(203, 45, generator=generator), torch.randn(45, generator=generator)
+    halves = [t.bfloat16() for t in (x, weight, bias)]
     results = []
     library = narrow_build(tmp_path, "row_product", target)
-    assert library.hfgpt_row_product_bf16_available() == 0
     for build in (None, library):
         with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
             if build is not None:
                 using_library(patch, "row_product", build)
-            results.append((kernels.row_product(x, weight, 2), kernels.row_conv1d(x, conv_weight, bias, 3)))
-    for got, narrow in zip(*results, strict=True):
-        torch.testing.assert_close(narrow, got, atol=1e-5, rtol=1e-5)
+            products = kernels.row_product(x, weight, 2), kernels.row_conv1d(x, conv_weight, bias, 3)
+            results.append((*products, kernels.row_product_bf16(*halves)))
+    for got, narrow in zip(*results, strict=True):  # (bfloat16 sums may round apart in the last place)
+        rtol = 1e-5 if got.dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(narrow.float(), got.float(), atol=1e-5, rtol=rtol)
     torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(results[1][1], torch.addmm(bias, x, conv_weight), atol=1e-4, rtol=1e-5)
+    exact = F.linear(*(t.double() for t in halves))
+    assert ((results[1][2].double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
 
 
-def bfloat16_kernel_available() -> bool:
-    return kernels.row_product_bf16_available()
+def bfloat16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's bfloat16 product: oneDNN's where it takes bfloat16 (a CPU with AVX-512), else `F.linear`'s
+    (summed in float32 too)."""
+    if ops_hfgpt.onednn_bfloat16_runs():
+        return ops_hfgpt.onednn_mm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-def products(calls: list[str]) -> list[str]:
-    """The calls that computed something (not the availability checks)."""
-    return [call for call in calls if not call.endswith("_available")]
-
-
-needs_bfloat16 = pytest.mark.skipif(
-    not bfloat16_kernel_available(), reason="the bfloat16 row product needs AVX512_BF16 (VDPBF16PS)"
-)
-
-
-@needs_bfloat16
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("out, width", [*SHAPES, (3, 31), (4, 95)])  # and tails of 32 inputs
-def test_bfloat16_row_product_equals_onednns(out, width, bias, torch_threads, kernel_calls):
-    """Pairs of products summed in float32, the bias added, one rounding: oneDNN's bfloat16 product
-    gives the same bits but for a rare last-place difference where the float32 sums round apart."""
+@pytest.mark.parametrize("out, width", [*SHAPES, (3, 31), (4, 95)])  # and tails of 8, 16 and 32 inputs
+def test_bfloat16_row_product_equals_torchs(out, width, bias, torch_threads, kernel_calls):
+    """Exact products summed in float32, the bias added, one rounding: torch's bfloat16 product gives
+    the same bits but for a rare last-place difference where the float32 sums round apart."""
     generator = torch.Generator().manual_seed(out + width)
     x = torch.randn(1, width, generator=generator).bfloat16()
     weight = (torch.randn(out, width, generator=generator) * 0.1).bfloat16()
     b = torch.randn(out, generator=generator).bfloat16() if bias else None
     with torch.no_grad():
         got = ops_hfgpt.one_row_bfloat16(x, weight, b)
-        theirs = ops_hfgpt.onednn_mm(x, weight, b)
-    assert products(kernel_calls) == ["hfgpt_row_product_bf16"]
+        theirs = bfloat16_product(x, weight, b)
+    assert kernel_calls == ["hfgpt_row_product_bf16"]
     assert got.dtype == torch.bfloat16 and got.shape == (1, out)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert (got == theirs).float().mean() >= 0.99
-    # one bfloat16 rounding of a float32 sum: within 2^-8 of the exact value, as oneDNN's
+    # one bfloat16 rounding of a float32 sum: within 2^-8 of the exact value, as torch's
     assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
 
 
-@needs_bfloat16
 def test_bfloat16_row_product_keeps_nans_and_infinities():
     x, weight = torch.ones(1, 40, dtype=torch.bfloat16), torch.ones(4, 40, dtype=torch.bfloat16)
     weight[1, 3], weight[2, 39], weight[3, 0] = float("nan"), float("inf"), float("-inf")
@@ -202,20 +198,19 @@ def test_bfloat16_row_product_keeps_nans_and_infinities():
     torch.testing.assert_close(got, F.linear(x, weight), equal_nan=True)
 
 
-@needs_bfloat16
 def test_bfloat16_row_product_steps_aside_for_gradients_other_dtypes_and_strides(kernel_calls):
     x, weight = torch.randn(1, 48).bfloat16(), torch.randn(40, 48).bfloat16()
     with torch.no_grad():
         assert ops_hfgpt.one_row_bfloat16(x.float(), weight.float(), None) is None
         assert ops_hfgpt.one_row_bfloat16(x, weight.T.contiguous().T, None) is None
     assert ops_hfgpt.one_row_bfloat16(x, weight.requires_grad_(), None) is None
-    assert products(kernel_calls) == []
+    assert kernel_calls == []
 
 
-@needs_bfloat16
-def test_bfloat16_decoding_copy_runs_the_kernel_with_onednns_logits(kernel_calls, monkeypatch):
+def test_bfloat16_decoding_copy_runs_the_kernel_with_torchs_logits(kernel_calls, monkeypatch):
     """Every layer and the LM head of a bfloat16 decoding copy at batch size 1 run on the kernel; the
-    logits of a decoding step are those of oneDNN's bfloat16 products to bfloat16 rounding."""
+    logits of a decoding step are those of torch's bfloat16 products (oneDNN's where it takes bfloat16)
+    to bfloat16 rounding."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=500, n_positions=64, n_embd=64, n_layer=2, n_head=2)
     copy = quantize_for_decoding(GPTForCausalLM(config).eval(), torch.bfloat16)
@@ -224,7 +219,7 @@ def test_bfloat16_decoding_copy_runs_the_kernel_with_onednns_logits(kernel_calls
         cache = copy(ids[:, :-1], use_cache=True).past_key_values
         kernel_calls.clear()
         logits = copy(ids[:, -1:], past_key_values=cache).logits
-        assert products(kernel_calls) == ["hfgpt_row_product_bf16"] * (4 * config.n_layer + 1)
+        assert kernel_calls == ["hfgpt_row_product_bf16"] * (4 * config.n_layer + 1)
         monkeypatch.setattr(quantization, "one_row_bfloat16", lambda *args: None)
         cache = copy(ids[:, :-1], use_cache=True).past_key_values
         theirs = copy(ids[:, -1:], past_key_values=cache).logits

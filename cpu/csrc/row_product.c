@@ -14,12 +14,13 @@
  * float rounding. One portable source (vector_math.h's vectors, as wide as the host's: AVX2, AVX-512,
  * NEON).
  *
- * The bfloat16 product (`hfgpt_row_product_bf16`) is the one part in intrinsics: AVX-512 BF16's VDPBF16PS
- * multiplies pairs of bfloat16 and sums them in float32 in one instruction, which a CPU without it has no
- * counterpart of (its callers then run oneDNN or torch).
+ * The bfloat16 product (`hfgpt_row_product_bf16`, the bfloat16 decoding copy's) is portable too: it widens
+ * pairs of bfloat16 to float32 with a shift and a mask and sums in float32. On a CPU with AVX-512 BF16 it
+ * decodes GPT-2 as fast as a loop on that extension's VDPBF16PS, which it replaced (benchmarks/RESULTS.md).
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vector_math.h"
 #define PARALLEL_FROM 32768 /* weight elements: fewer run on the calling thread */
@@ -104,9 +105,24 @@ int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, co
     return 0;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define BFLOAT16 1
-#include <immintrin.h>
+/* A bfloat16 is the upper half of a float32's bits. A vector of 2 * LANES bfloat16 read as LANES 32-bit
+ * words (little-endian) holds the even-indexed values in the words' low halves and the odd-indexed ones in
+ * their high halves: a shift and a mask widen them to floats exactly, with no shuffle. */
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "row_product.c's bfloat16 product reads pairs of bfloat16 as little-endian 32-bit words"
+#endif
+typedef uint32_t vu __attribute__((vector_size(VECTOR_BYTES)));
+
+static inline vf even_values(vu pairs) { return (vf)(pairs << 16); }
+static inline vf odd_values(vu pairs) { return (vf)(pairs & 0xFFFF0000u); }
+
+/* 2 * LANES bfloat16 from p as LANES pairs; only the first n (0 <= n) read, zeros after them. */
+static inline vu load_pairs(const uint16_t *p, int64_t n)
+{
+    vu v = {0};
+    memcpy(&v, p, sizeof(uint16_t) * (size_t)(n < 2 * LANES ? n : 2 * LANES));
+    return v;
+}
 
 /* float -> bfloat16, rounding to nearest even (a NaN stays a quiet NaN) */
 static inline uint16_t to_bfloat16(float value)
@@ -123,47 +139,47 @@ static inline float from_bfloat16(uint16_t value)
     return bits.f;
 }
 
-/* y[o] = bfloat16(sum_i x[i] w[o, i] (+ bias[o])) for bfloat16 x, w (contiguous, out x in), bias and y: the
- * products of pairs summed in float32 by VDPBF16PS (as oneDNN's bfloat16 products; subnormal inputs count
- * as 0), the bias added in float32, then one rounding to bfloat16. */
+/* y[o] = bfloat16(sum_i x[i] w[o, i] (+ bias[o])) for bfloat16 x, w (contiguous, out x in), bias and y. x is
+ * widened to float32 once, its even- and odd-indexed values apart in each block of 2 * LANES; each row of w
+ * is then read as pairs (above). Every product is exact in float32 (two 8-bit significands), the products
+ * are summed in float32, the bias added in float32, then the sum rounded to bfloat16 once: as AVX-512
+ * BF16's VDPBF16PS and oneDNN sum them, in another order. Returns 1 where its scratch cannot be
+ * allocated. */
 int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
                            uint16_t *y, int threads)
 {
     if (out < 0 || in < 0 || threads < 1)
         return 2;
-    const int64_t full = in / 64 * 64;
+    const int64_t block = 2 * LANES, blocks = (in + block - 1) / block, full = in / block;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(blocks > 0 ? blocks * block : 1));
+    if (!xs)
+        return 1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const vu u = load_pairs(x + b * block, in - b * block);
+        vstore(xs + b * block, even_values(u));
+        vstore(xs + b * block + LANES, odd_values(u));
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (out * in >= PARALLEL_FROM)
     for (int64_t o = 0; o < out; o++) {
         const uint16_t *p = w + o * in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i < full; i += 64) {
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(p + i), (__m512bh)_mm512_loadu_si512(x + i));
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(p + i + 32),
-                                  (__m512bh)_mm512_loadu_si512(x + i + 32));
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t b = 0;
+        for (; b + 2 <= full; b += 2) {
+            const vu u0 = load_pairs(p + b * block, block), u1 = load_pairs(p + (b + 1) * block, block);
+            const float *s = xs + b * block;
+            a0 += even_values(u0) * vload(s);
+            a1 += odd_values(u0) * vload(s + LANES);
+            a2 += even_values(u1) * vload(s + block);
+            a3 += odd_values(u1) * vload(s + block + LANES);
         }
-        for (; i < in; i += 32) {
-            const int64_t left = in - i;
-            const __mmask32 m = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, p + i),
-                                  (__m512bh)_mm512_maskz_loadu_epi16(m, x + i));
+        for (; b < blocks; b++) {
+            const vu u = load_pairs(p + b * block, in - b * block);
+            a0 += even_values(u) * vload(xs + b * block);
+            a1 += odd_values(u) * vload(xs + b * block + LANES);
         }
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        const float sum = sum_lanes((a0 + a1) + (a2 + a3));
         y[o] = to_bfloat16(bias ? sum + from_bfloat16(bias[o]) : sum);
     }
+    free(xs);
     return 0;
 }
-#else
-#define BFLOAT16 0
-
-int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
-                           uint16_t *y, int threads)
-{
-    (void)x, (void)w, (void)out, (void)in, (void)bias, (void)y, (void)threads;
-    return 3;
-}
-#endif
-
-/* Whether this build has the bfloat16 product (AVX-512 BF16; else it returns 3 and callers run oneDNN or
- * torch). */
-int hfgpt_row_product_bf16_available(void) { return BFLOAT16; }
