@@ -4,10 +4,18 @@ ctypes: no build step at install time and no torch headers, so a build is one sh
 
 The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
 `$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, all of csrc's headers
-(a changed header rebuilds every kernel), the flags, the compiler's version and the CPU's flags, so a
-changed source or another machine sharing the folder builds its own copy. It is written under a
-temporary name and renamed into place, so that two processes building at once (pytest-xdist) never load
-a half-written file.
+(a changed header rebuilds every kernel), the flags, the compiler command (`CC` with its arguments) and
+its version, and the CPU's flags, so a changed source, compiler or setting, or another machine sharing the
+folder, builds its own copy. It is written under a temporary name and renamed into place, so that two
+processes building at once (pytest-xdist) never load a half-written file.
+
+`HFGPT_CFLAGS` holds extra compiler flags (split as a shell would), placed after hfgpt's own, so that they
+win where they conflict: GCC and Clang take the last `-march`. `HFGPT_CFLAGS=-march=x86-64-v3` builds the
+kernels for any x86-64 CPU with AVX2 and FMA instead of for this one, e.g. for the oldest CPU of a fleet
+whose machines share one cache folder and one set of libraries, or to test the AVX2 build on an AVX-512
+machine (`.ci/as-avx2`). It is read at each build and is part of the library's name. It applies to the
+kernels that `kernel()` builds (`build(name)` without `flags`); a caller passing `flags` gets exactly
+those.
 
 Loading a library runs its code in this process, so the cache is only trusted as a careful build cache
 would (OpenSSH's StrictModes): the folders it makes are 0700; the cache folder and the library must be
@@ -277,8 +285,24 @@ def _build_folder(directory: Path) -> Path:
         return _instead_of(Path(os.path.abspath(directory)), str(error))
 
 
+def _split(variable: str) -> list[str]:
+    """The environment variable `variable` split as a shell would; `NativeBuildError` where it cannot be
+    (an unclosed quote)."""
+    try:
+        return shlex.split(os.environ.get(variable, ""))
+    except ValueError as error:
+        raise NativeBuildError(
+            f"{variable}={os.environ[variable]!r} cannot be split into words: {error}"
+        ) from error
+
+
 def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    return _split("CC") or ["cc"]
+
+
+def _extra_flags() -> tuple[str, ...]:
+    """`$HFGPT_CFLAGS`: compiler flags after `FLAGS`, in the builds that `kernel()` makes."""
+    return tuple(_split("HFGPT_CFLAGS"))
 
 
 def _cpu_flags() -> str:
@@ -291,11 +315,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
+def build(name: str, flags: tuple[str, ...] | None = None, directory: Path | None = None) -> Path:
     """Compile `csrc/{name}.c` (once per source, flags, compiler and CPU) and return the library's path.
-    Raises `NativeBuildError` naming the command and the compiler's message."""
+    `flags` None: `FLAGS` followed by `$HFGPT_CFLAGS`; otherwise exactly `flags`. Raises
+    `NativeBuildError` naming the command and the compiler's message."""
     source = SOURCE_DIR / f"{name}.c"
     compiler = _compiler()
+    flags = (*FLAGS, *_extra_flags()) if flags is None else tuple(flags)
     if shutil.which(compiler[0]) is None:
         raise NativeBuildError(f"no C compiler: {compiler[0]!r} is not on PATH (set CC to use another one)")
     try:
@@ -308,7 +334,8 @@ def build(name: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = No
     for part in (
         source.read_bytes(),
         *(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))),
-        " ".join(flags).encode(),
+        shlex.join(flags).encode(),
+        shlex.join(compiler).encode(),
         "".join(version).encode(),
         _cpu_flags().encode(),
     ):

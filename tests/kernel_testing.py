@@ -39,7 +39,7 @@ NARROW_TARGETS = _narrow_targets()
 def narrow_build(directory, name: str, target: str | None = None):
     """csrc/{name}.c built for `target` (-march=target; None: the compiler's baseline) instead of
     -march=native, into `directory`: the same portable source with narrower vectors than the host's,
-    loaded as `native.kernel` loads the native build."""
+    loaded as `native.kernel` loads the native build. (Explicit flags: HFGPT_CFLAGS does not apply.)"""
     flags = tuple(f for f in native.FLAGS if f != "-march=native")
     if target is not None:
         flags = (f"-march={target}", *flags)

@@ -1,12 +1,16 @@
 """The C kernels' build cache (cpu/native.py) loads only what this user built: a library that another user
 could have put under the expected name (in a folder that others can write to or own, or as a file they
 own or can write) is never loaded; the process warns once and builds into a private temporary folder
-instead. The cache path is made absolute once, so it never follows the working folder.
+instead. The cache path is made absolute once, so it never follows the working folder. A library's name
+tells apart the compiler commands (`CC` with its arguments) and the extra flags (`HFGPT_CFLAGS`) that
+built it.
 
 "Another user" is uid 12345 where the tests run as root (chown); elsewhere the tests that need chown are
 skipped, and the others use a folder that others can write to, which is refused whoever owns it."""
 
 import os
+import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -283,3 +287,83 @@ def test_without_a_trusted_private_folder_the_kernel_steps_aside(monkeypatch, tm
         RuntimeWarning, match=r"(?s)not available.*nor is a private temporary folder .*tmp is writable"
     ):
         assert native.kernel("gelu") is None
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's flags as hfgpt reads them (/proc/cpuinfo's first `flags` line; empty elsewhere)."""
+    return set(native._cpu_flags().partition(":")[2].split())
+
+
+def _real_compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "")) or ["cc"]
+
+
+def _recording_compiler(folder: Path) -> tuple[Path, Path]:
+    """A compiler that runs the real one after appending its arguments to a log, one call a line, each
+    argument in brackets; and that log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script, log = folder / "recording-cc", folder / "calls.log"
+    script.write_text(
+        f"#!/bin/sh\nprintf '[%s]' \"$@\" >> {shlex.quote(str(log))}\necho >> {shlex.quote(str(log))}\n"
+        f'exec {shlex.join(_real_compiler())} "$@"\n'
+    )
+    os.chmod(script, 0o755)
+    return script, log
+
+
+def test_the_compilers_arguments_are_part_of_the_librarys_name(monkeypatch, tmp_path):
+    """`CC="cc -mno-avx512f"` and `CC=cc` are the same compiler (one `--version`) building different code."""
+    compiler = shlex.join(_real_compiler())
+    monkeypatch.setenv("CC", compiler)
+    plain = native.build("gelu", directory=tmp_path)
+    monkeypatch.setenv("CC", f"{compiler} -DHFGPT_UNUSED_MACRO=1")
+    with_argument = native.build("gelu", directory=tmp_path)
+    assert with_argument != plain and plain.exists() and with_argument.exists()
+    assert native.build("gelu", directory=tmp_path) == with_argument  # (and found again)
+
+
+def test_hfgpt_cflags_follow_hfgpts_flags_and_name_the_library(monkeypatch, tmp_path):
+    """HFGPT_CFLAGS is split as a shell would and placed after FLAGS, in `build(name)` only: a caller's
+    explicit flags (tests/kernel_testing.py's narrow builds) are compiled as given."""
+    script, log = _recording_compiler(tmp_path / "bin")
+    monkeypatch.setenv("CC", str(script))
+    plain = native.build("gelu", directory=tmp_path / "cache")
+    monkeypatch.setenv("HFGPT_CFLAGS", "-DHFGPT_UNUSED_MACRO='two words' -O2")
+    extra = native.build("gelu", directory=tmp_path / "cache")
+    explicit = native.build("gelu", native.FLAGS, directory=tmp_path / "cache")
+    assert extra != plain and explicit == plain
+    compiles = [line for line in log.read_text().splitlines() if "[-o]" in line]
+    flags = "".join(f"[{flag}]" for flag in native.FLAGS)
+    assert len(compiles) == 2  # the explicit build found the plain one's library
+    assert compiles[0].startswith(f"{flags}[-o]")
+    assert compiles[1].startswith(f"{flags}[-DHFGPT_UNUSED_MACRO=two words][-O2][-o]")
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags(),
+    reason="-march=x86-64-v3 needs an x86-64 CPU with AVX2 and FMA to run",
+)
+def test_hfgpt_cflags_march_builds_the_kernels_for_a_narrower_cpu(monkeypatch, tmp_path):
+    """`HFGPT_CFLAGS=-march=x86-64-v3` overrides FLAGS' -march=native (the last -march wins): the int8
+    kernel that `kernel()` loads has the AVX2 path (1), whatever this CPU has beyond it (AVX-VNNI: 2,
+    AVX-512 VNNI: 3; x86-64-v3 has neither)."""
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HFGPT_CFLAGS", "-march=x86-64-v3")
+    library = native.kernel("int8_linear")
+    assert library is not None
+    assert library.hfgpt_int8_vectorized() == 1
+
+
+def test_a_bad_hfgpt_cflag_is_reported_with_the_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("HFGPT_CFLAGS", "--no-such-hfgpt-flag")
+    with pytest.raises(
+        native.NativeBuildError,
+        match=r"(?s)^`.* -fPIC --no-such-hfgpt-flag -o .*gelu\.c` failed \(exit \d+\):.*",
+    ):
+        native.build("gelu", directory=tmp_path)
+    monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"C kernel gelu is not available.*--no-such-hfgpt-flag"):
+        assert native.kernel("gelu") is None
+    monkeypatch.setenv("HFGPT_CFLAGS", "-DX='unclosed")
+    with pytest.raises(native.NativeBuildError, match=r"HFGPT_CFLAGS=.*unclosed.* cannot be split"):
+        native.build("gelu", directory=tmp_path)
