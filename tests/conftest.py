@@ -26,6 +26,7 @@ GPT1_FIXTURE = FIXTURES / "openai-gpt1-tiny"
 HUB_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_")
 _session_env = pytest.MonkeyPatch()
 _session_hf_home: Path | None = None
+_session_kernel_cache: Path | None = None
 
 
 def session_hub_env(hf_home: Path) -> dict[str, str | None]:
@@ -53,7 +54,7 @@ def _sync_imported_hub_constants(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _session_hf_home
+    global _session_hf_home, _session_kernel_cache
     _session_hf_home = Path(tempfile.mkdtemp(prefix="hfgpt-tests-hf-home-"))
     for name, value in session_hub_env(_session_hf_home).items():
         if value is None:
@@ -61,12 +62,20 @@ def pytest_configure(config: pytest.Config) -> None:
         else:
             _session_env.setenv(name, value)
     _sync_imported_hub_constants(_session_env)
+    # hfgpt's C kernels are built into a folder of the test session (not ~/.cache), unless HFGPT_CACHE_DIR
+    # is set already (by the user, or by the pytest-xdist controller for its workers, which then share
+    # its folder). Set here, before collection: test modules build kernels as pytest imports them (the
+    # `kernels.available()` of their skip conditions), before any fixture runs.
+    if "HFGPT_CACHE_DIR" not in os.environ:
+        _session_kernel_cache = Path(tempfile.mkdtemp(prefix="hfgpt-tests-kernels-"))
+        _session_env.setenv("HFGPT_CACHE_DIR", str(_session_kernel_cache))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _session_env.undo()
-    if _session_hf_home is not None:
-        shutil.rmtree(_session_hf_home, ignore_errors=True)
+    for folder in (_session_hf_home, _session_kernel_cache):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def point_at_test_hub(monkeypatch: pytest.MonkeyPatch, url: str, token: str | None = None) -> None:
@@ -100,18 +109,6 @@ def use_test_hub(monkeypatch: pytest.MonkeyPatch):
         point_at_test_hub(monkeypatch, url, token)
 
     return point
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _kernel_cache_dir(tmp_path_factory):
-    """hfgpt's C kernels are built into a folder of the test session (not ~/.cache), unless
-    HFGPT_CACHE_DIR is set already."""
-    if "HFGPT_CACHE_DIR" in os.environ:
-        yield
-        return
-    os.environ["HFGPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("hfgpt-cache"))
-    yield
-    del os.environ["HFGPT_CACHE_DIR"]
 
 
 @pytest.fixture

@@ -32,6 +32,11 @@ pytestmark = needs_cc
 
 OTHER_UID = 12345
 
+# The kernel cache as this module saw it when pytest imported it, before any fixture ran: test modules
+# build kernels at import (`kernels.available()` in their skip conditions), so the session's cache
+# (tests/conftest.py) must be set by then, or those land in ~/.cache/hfgpt.
+CACHE_DIR_AT_IMPORT = os.environ.get("HFGPT_CACHE_DIR")
+
 PLANTED_C = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -287,6 +292,13 @@ def test_without_a_trusted_private_folder_the_kernel_steps_aside(monkeypatch, tm
         RuntimeWarning, match=r"(?s)not available.*nor is a private temporary folder .*tmp is writable"
     ):
         assert native.kernel("gelu") is None
+
+
+def test_kernels_built_while_pytest_imports_the_test_modules_go_to_the_sessions_cache():
+    """test_kernel_ops.py builds kernels in its skip conditions, as pytest imports it: the session's
+    HFGPT_CACHE_DIR is set before that (pytest_configure), not by a fixture."""
+    assert CACHE_DIR_AT_IMPORT is not None, "HFGPT_CACHE_DIR was not set when pytest imported this module"
+    assert os.environ["HFGPT_CACHE_DIR"] == CACHE_DIR_AT_IMPORT
 
 
 def _cpu_flags() -> set[str]:
