@@ -3,17 +3,20 @@ could have put under the expected name (in a folder that others can write to or 
 own or can write) is never loaded; the process warns once and builds into a private temporary folder
 instead. The cache path is made absolute once, so it never follows the working folder. A library's name
 tells apart the compiler commands (`CC` with its arguments) and the extra flags (`HFGPT_CFLAGS`) that
-built it.
+built it; `.ci/as-avx2` builds and runs them as on a CPU with AVX2 but no AVX-512.
 
 "Another user" is uid 12345 where the tests run as root (chown); elsewhere the tests that need chown are
 skipped, and the others use a folder that others can write to, which is refused whoever owns it."""
 
+import json
 import os
 import platform
 import shlex
 import shutil
 import stat
 import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -379,3 +382,72 @@ def test_a_bad_hfgpt_cflag_is_reported_with_the_command(monkeypatch, tmp_path):
     monkeypatch.setenv("HFGPT_CFLAGS", "-DX='unclosed")
     with pytest.raises(native.NativeBuildError, match=r"HFGPT_CFLAGS=.*unclosed.* cannot be split"):
         native.build("gelu", directory=tmp_path)
+
+
+AS_AVX2 = Path(__file__).resolve().parent.parent / ".ci" / "as-avx2"
+
+AS_AVX2_PROBE = textwrap.dedent(
+    """
+    import json, os, torch
+    from hfgpt.cpu import native
+
+    library = native.kernel("int8_linear")
+    print(json.dumps({
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "cpuinfo": open("/proc/cpuinfo").read(),
+        "cflags": os.environ.get("HFGPT_CFLAGS"),
+        "int8_path": None if library is None else library.hfgpt_int8_vectorized(),
+    }))
+    """
+)
+
+
+def _mount_namespace_refusal() -> str | None:
+    """Why this process may not enter a private mount namespace as .ci/as-avx2 does, or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare (util-linux) on PATH"
+    command = ["unshare", "--mount", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if run.returncode != 0:
+        return f"`{shlex.join(command)}` is not permitted here: {run.stderr.strip()}"
+    return None
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma"} <= _cpu_flags(),
+    reason=".ci/as-avx2 needs an x86-64 CPU with AVX2 and FMA",
+)
+def test_as_avx2_runs_a_command_as_on_a_cpu_without_avx512(tmp_path):
+    """Under .ci/as-avx2, torch dispatches to its AVX2 kernels, /proc/cpuinfo lists no AVX-512, AMX or
+    AVX-VNNI flag (its other lines are the real file's), and hfgpt builds its int8 kernel's AVX2 path
+    (where the tests run as root: as another user, the namespace shows root's folders as nobody's, which
+    the kernel cache refuses)."""
+    refusal = _mount_namespace_refusal()
+    if refusal is not None:
+        pytest.skip(refusal)
+    run = subprocess.run(
+        [str(AS_AVX2), sys.executable, "-c", AS_AVX2_PROBE],
+        env={**os.environ, "HFGPT_CACHE_DIR": str(tmp_path), "HFGPT_CFLAGS": "-g"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    inside = json.loads(run.stdout.splitlines()[-1])
+    assert inside["capability"] == "AVX2"
+    assert inside["cflags"] == "-march=x86-64-v3 -g"  # the caller's flags after the script's
+
+    def flags_and_rest(cpuinfo: str) -> tuple[list[set[str]], list[str]]:
+        lines = cpuinfo.splitlines()
+        flags = [set(line.partition(":")[2].split()) for line in lines if line.startswith("flags")]
+        return flags, [line for line in lines if not line.startswith(("flags", "cpu MHz"))]
+
+    flags, rest = flags_and_rest(inside["cpuinfo"])
+    real_flags, real_rest = flags_and_rest(Path("/proc/cpuinfo").read_text())
+    assert rest == real_rest and len(flags) == len(real_flags) > 0
+    for processor, real in zip(flags, real_flags, strict=True):
+        dropped = {flag for flag in real if flag.startswith(("avx512", "amx", "avx_vnni"))}
+        assert {"avx2", "fma"} <= processor and not processor & dropped
+        assert real - processor <= dropped | {"avx_ifma", "avx_ne_convert"}
+    if os.geteuid() == 0:
+        assert inside["int8_path"] == 1
