@@ -340,6 +340,7 @@ def test_the_compilers_arguments_are_part_of_the_librarys_name(monkeypatch, tmp_
 def test_hfgpt_cflags_follow_hfgpts_flags_and_name_the_library(monkeypatch, tmp_path):
     """HFGPT_CFLAGS is split as a shell would and placed after FLAGS, in `build(name)` only: a caller's
     explicit flags (tests/kernel_testing.py's narrow builds) are compiled as given."""
+    monkeypatch.delenv("HFGPT_CFLAGS", raising=False)
     script, log = _recording_compiler(tmp_path / "bin")
     monkeypatch.setenv("CC", str(script))
     plain = native.build("gelu", directory=tmp_path / "cache")
