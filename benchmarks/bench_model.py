@@ -1572,6 +1572,9 @@ README_TABLE = "<!-- README table: python benchmarks/bench_model.py --update-doc
 RESULTS_TABLE = "<!-- full table: python benchmarks/bench_model.py --update-docs -->"
 ACCURACY_TABLE = "<!-- accuracy table: python benchmarks/bench_model.py --update-docs -->"
 ACCURACY_FIGURES = FIGURES_DIR / "lowp-accuracy-cpu.json"  # lowp_accuracy.py's figures
+KERNELS_TABLE = "<!-- kernels table: python benchmarks/bench_model.py --update-docs -->"
+# ab_kernels.py's figures: natively built kernels, and the same run under .ci/as-avx2
+KERNELS_FIGURES = (FIGURES_DIR / "ab-kernels-cpu.json", FIGURES_DIR / "ab-kernels-cpu-avx2.json")
 GENERATED_END = "<!-- end of generated table -->"
 
 
@@ -1591,16 +1594,24 @@ def with_region(text: str, start: str, content: str) -> str:
 
 def update_docs(figures: dict[str, dict[str, Any]], root: Path = FIGURES_DIR.parent) -> list[Path]:
     """Make the published views of the figures files: the chart (`benchmarks/ratios-cpu.png`), the
-    README's table, and RESULTS.md's full table and accuracy table (from `lowp_accuracy.py`'s
-    figures). Returns the files written."""
+    README's table, and RESULTS.md's full table, accuracy table (from `lowp_accuracy.py`'s figures) and
+    kernels table (from `ab_kernels.py`'s). Returns the files written."""
     chart = root / "benchmarks" / "ratios-cpu.png"
     plot_ratios(figures, chart)
     results = root / "benchmarks" / "RESULTS.md"
     text = with_region(results.read_text(), RESULTS_TABLE, figures_table(figures))
-    results.write_text(with_region(text, ACCURACY_TABLE, accuracy_table()))
+    text = with_region(text, ACCURACY_TABLE, accuracy_table())
+    results.write_text(with_region(text, KERNELS_TABLE, kernels_table()))
     readme = root / "README.md"
     readme.write_text(with_region(readme.read_text(), README_TABLE, summary_table(figures)))
     return [chart, results, readme]
+
+
+def kernels_table(paths: tuple[Path, ...] = KERNELS_FIGURES) -> str:
+    """`ab_kernels.py`'s tables of its figures files."""
+    import ab_kernels  # the sibling script (it imports this one: loaded here, when both are)
+
+    return ab_kernels.figures_table([json.loads(path.read_text()) for path in paths])
 
 
 def accuracy_table(path: Path = ACCURACY_FIGURES) -> str:

@@ -248,6 +248,36 @@ def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
     assert table.count("\n| ") == 1 + len(cases)  # the header row and one row a case
 
 
+def test_kernels_ab_times_each_kernel_a_task_calls_against_the_task_without_it(tmp_path, capsys):
+    import ab_kernels
+
+    from hfgpt.cpu import kernels
+
+    if not all(kernels.available(name) for name in ab_kernels.KERNELS):
+        pytest.skip("no C compiler: hfgpt's kernels are not built here")
+    available = kernels.available
+    with ab_kernels.switched_off("gelu"):
+        assert not kernels.available("gelu") and kernels.available("loss")
+    assert kernels.available is available and kernels.available("gelu")
+    tasks = ab_kernels.tasks("gpt2", bench_model.PROFILES["tiny"])
+    train = next(fn for task, fn in tasks.items() if task.startswith("train"))
+    for off in (None, "gelu"):
+        with ab_kernels.recording_calls() as called, ab_kernels.switched_off(off):
+            train()
+        assert ("gelu" in called) == (off is None) and {"loss", "dropout"} <= called
+
+    assert ab_kernels.main(["--tiny", "--json", str(tmp_path / "ab.json")]) == 0
+    report = json.loads((tmp_path / "ab.json").read_text())
+    # (the tiny model's heads of 16 are not the attention kernel's 64)
+    found = {(row["task"].split()[0], row["kernel"]) for row in report["rows"]}
+    assert found == {("train", "gelu"), ("train", "loss"), ("train", "dropout"), ("decode", "row_product")}
+    for row in report["rows"]:
+        assert len(row["with_s"]) == len(row["without_s"]) == 2
+        assert row["ratio"] == pytest.approx(row["without_median_s"] / row["with_median_s"])
+    assert report["machine"]["threads"] >= 1 and "hfgpt_cflags" in report["machine"]
+    assert capsys.readouterr().out.count("\n| ") == 1 + len(found)  # the header row and one row a kernel
+
+
 def _strict_json(text: str) -> object:
     """json.loads refusing the NaN / Infinity tokens Python's json accepts and writes, which JSON lacks."""
 
@@ -400,6 +430,8 @@ def test_step_breakdown_refuses_bad_arguments_before_building_models(
 OTHER_FIGURES = {
     "ab-cpu-products-gpt1.json",  # ab_cpu_products.py --family gpt1
     "ab-cpu-products-gpt2.json",  # ab_cpu_products.py --family gpt2
+    "ab-kernels-cpu.json",  # ab_kernels.py
+    "ab-kernels-cpu-avx2.json",  # .ci/as-avx2 python benchmarks/ab_kernels.py
     "lowp-accuracy-cpu.json",  # lowp_accuracy.py
     "step-breakdown-gpt2.json",  # step_breakdown.py
     "figures-cuda-training.json",  # bench_cuda.py (a GPU run)
@@ -604,11 +636,13 @@ def test_results_tables_are_the_ones_made_from_the_figures():
     assert text[first:last].strip() == bench_model.figures_table(bench_model.load_figures()), stale
     first, last = bench_model.marked_region(text, bench_model.ACCURACY_TABLE)
     assert text[first:last].strip() == bench_model.accuracy_table(), stale
+    first, last = bench_model.marked_region(text, bench_model.KERNELS_TABLE)
+    assert text[first:last].strip() == bench_model.kernels_table(), stale
 
 
 def test_results_is_a_current_account_not_a_diary():
     text = RESULTS.read_text()
-    assert len(text.splitlines()) <= 260
+    assert len(text.splitlines()) <= 270
     assert not re.search(r"\bsession", text, flags=re.IGNORECASE)
     hashes = [
         w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search("[a-f]", w)
@@ -626,6 +660,7 @@ def test_update_docs_rewrites_only_the_generated_regions(tmp_path):
     results = (
         f"a\n{bench_model.RESULTS_TABLE}\nold\n{bench_model.GENERATED_END}\nb\n"
         f"{bench_model.ACCURACY_TABLE}\n{bench_model.GENERATED_END}\nc\n"
+        f"{bench_model.KERNELS_TABLE}\n{bench_model.GENERATED_END}\nd\n"
     )
     (root / "README.md").write_text(readme)
     (root / "benchmarks" / "RESULTS.md").write_text(results)
@@ -639,6 +674,9 @@ def test_update_docs_rewrites_only_the_generated_regions(tmp_path):
     assert bench_model.summary_table(figures) in new_readme and "old" not in new_readme
     new_results = (root / "benchmarks" / "RESULTS.md").read_text()
     assert bench_model.figures_table(figures) in new_results and bench_model.accuracy_table() in new_results
+    assert bench_model.kernels_table() in new_results and new_results.endswith(
+        f"{bench_model.GENERATED_END}\nd\n"
+    )
     bench_model.update_docs(figures, root)  # a second time changes nothing
     assert (root / "README.md").read_text() == new_readme
     with pytest.raises(ValueError, match="expected one"):
