@@ -422,7 +422,7 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def lse_block(part: Tensor, out: Tensor, peak: Tensor, total: Tensor) -> None:
     """One block of columns of the logits: copies `part` (N, C) into `out` (N, C, any row stride) and adds
     its exponentials to each row's running sum `total` (float64, N) against the running maximum `peak`
-    (float32, N), rescaling the earlier sums (csrc/loss.c; `hfgpt.cpu.ops.onednn_logits_and_lse`)."""
+    (float32, N), rescaling the earlier sums (csrc/loss.c; `hfgpt.cpu.ops.blockwise_logits_and_lse`)."""
     _expect("lse_block", torch.float32, part=part, out=out, peak=peak)
     _expect("lse_block", torch.float64, total=total)
     _contiguous("lse_block", peak=peak, total=total)

@@ -1,5 +1,5 @@
 """hfgpt's LM-loss kernel (modeling/csrc/loss.c): the training head's log-sum-exp a vocabulary block at a
-time (`onednn_logits_and_lse`) and softmax - onehot a slice at a time (`_LinearCrossEntropy.backward`),
+time (`blockwise_logits_and_lse`) and softmax - onehot a slice at a time (`_LinearCrossEntropy.backward`),
 against torch's expressions of the same arithmetic and `torch.logsumexp`, and where it steps aside."""
 
 import pytest
@@ -19,7 +19,7 @@ from test_performance import OpRecorder, seeded_step
 
 from hfgpt.cpu import kernels, native
 from hfgpt.cpu import ops as ops_hfgpt
-from hfgpt.cpu.ops import _LinearCrossEntropy, onednn_logits_and_lse, onednn_products
+from hfgpt.cpu.ops import _LinearCrossEntropy, blockwise_logits_and_lse, onednn_products
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 pytestmark = needs_kernel  # the same C compiler as the attention kernel
@@ -44,7 +44,7 @@ def without_kernel(monkeypatch) -> None:
 
 
 def lse_by_blocks(x: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.ops.hfgpt.lse_block` over `x` a block of `columns` at a time, as `onednn_logits_and_lse`
+    """`torch.ops.hfgpt.lse_block` over `x` a block of `columns` at a time, as `blockwise_logits_and_lse`
     calls it: (the copy it writes, the log-sum-exp)."""
     rows, width = x.shape
     out, peak = torch.full_like(x, 7.0), torch.full((rows,), float("-inf"))
@@ -88,7 +88,7 @@ def test_torch_blocks_keep_a_row_whose_first_finite_block_lies_below_minus_88(mo
     monkeypatch.setattr(ops_hfgpt, "LOGIT_BLOCK_COLUMNS", 64)
     hidden = torch.full((3, 1), -1.0)
     weight = (200.0 + torch.arange(300.0) / 300.0)[:, None]
-    logits, lse = onednn_logits_and_lse(hidden, weight, torch.empty(3, 300))
+    logits, lse = blockwise_logits_and_lse(hidden, weight, torch.empty(3, 300))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
     assert lse.isfinite().all()
 
@@ -97,10 +97,10 @@ def test_torch_blocks_keep_a_row_whose_first_finite_block_lies_below_minus_88(mo
 def test_training_head_runs_the_lse_kernel_with_torchs_values(vocab, kernel_calls, monkeypatch):
     torch.manual_seed(0)
     hidden, weight = torch.randn(40, 32), torch.randn(vocab, 32)
-    logits, lse = onednn_logits_and_lse(hidden, weight, torch.empty(40, vocab))
+    logits, lse = blockwise_logits_and_lse(hidden, weight, torch.empty(40, vocab))
     assert kernel_calls == ["hfgpt_lse_block"] * -(-vocab // ops_hfgpt.LOGIT_BLOCK_COLUMNS)
     without_kernel(monkeypatch)
-    torch_logits, torch_lse = onednn_logits_and_lse(hidden, weight, torch.empty(40, vocab))
+    torch_logits, torch_lse = blockwise_logits_and_lse(hidden, weight, torch.empty(40, vocab))
     assert torch.equal(logits, torch_logits)
     torch.testing.assert_close(lse, torch_lse, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(

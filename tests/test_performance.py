@@ -21,6 +21,7 @@ from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.layers import conv1d_forward
 from hfgpt.cpu.ops import (
     banded_attention_applies,
+    blockwise_logits_and_lse,
     cpu_banded_attention,
     cpu_dropout_attention,
     dropout,
@@ -31,7 +32,6 @@ from hfgpt.cpu.ops import (
     one_row_conv1d,
     one_row_parts,
     one_row_product,
-    onednn_logits_and_lse,
     onednn_products,
     project_to_vocab,
     weighted_lm_loss,
@@ -793,7 +793,7 @@ def test_onednn_logits_in_blocks_and_their_running_log_sum_exp_equal_one_product
     hidden[3], hidden[5] = 0.0, 0.0
     hidden[3, 0], hidden[5, 1] = 1e38, 1e38
     out = torch.full((37, 300), float("nan"))
-    logits, lse = onednn_logits_and_lse(hidden, weight, out)
+    logits, lse = blockwise_logits_and_lse(hidden, weight, out)
     expected = hidden @ weight.T
     assert logits is out and lse.shape == (37,) and lse.dtype == torch.float32
     assert torch.isneginf(expected[3]).all() and torch.isposinf(expected[5, 7])

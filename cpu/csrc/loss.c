@@ -2,7 +2,7 @@
  * time (forward), and softmax - onehot times each row's scale a slice at a time (backward).
  *
  * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by
- * `onednn_logits_and_lse` and `_LinearCrossEntropy.backward` in cpu/ops.py, whose torch expressions of
+ * `blockwise_logits_and_lse` and `_LinearCrossEntropy.backward` in cpu/ops.py, whose torch expressions of
  * the same arithmetic run wherever this does not apply. Each row's pass over a block is one read of data
  * that oneDNN has just written (still in cache) where torch's ops make five or six passes: copy into the
  * logits, amax, subtract, exp, sum; and, backward, subtract, exp, multiply, then index_put for the targets.
