@@ -1104,6 +1104,8 @@ def machine_info(device: str) -> dict[str, Any]:
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
+    if os.environ.get("HFGPT_CFLAGS"):  # kernels built for another CPU than this one (.ci/as-avx2)
+        info["hfgpt_cflags"] = os.environ["HFGPT_CFLAGS"]
     return info
 
 
@@ -1464,6 +1466,8 @@ def _run_line(run_: dict[str, Any]) -> str:
         rates += f", bfloat16 {hw['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
     rates += f", memory read {hw['read_bytes_per_s'] / 1e9:.1f} GB/s"
     features = f" ({', '.join(m['cpu_features'])})" if m.get("cpu_features") else ""
+    if m.get("hfgpt_cflags"):
+        features += f", hfgpt's kernels built with `{m['hfgpt_cflags']}`"
     return (
         f"{run_.get('date', 'an undated run')}, profile `{run_['profile']}`: {m['cpu']}{features}, "
         f"{m['threads']} threads ({m['device']}), torch {m['torch']}, transformers {m['transformers']}; "

@@ -694,3 +694,18 @@ def test_ctranslate2_runs_beside_hfgpts_decoding_copies_in_the_lowp_section(tmp_
     ct2 = next(r for r in rows if r["impl"] == bench_model.CTRANSLATE2)
     assert ct2["rate"] > 0 and 0 < ct2["extra"]["max_abs_logit_err"] < 0.5
     assert "| gpt2 | decode ctranslate2 int8 |" in capsys.readouterr().out
+
+
+def test_a_run_with_kernels_built_for_another_cpu_says_so_in_its_machine_line(monkeypatch):
+    """Under HFGPT_CFLAGS (`.ci/as-avx2` narrows the kernels to x86-64-v3), the figures' machine records
+    the flags and the README's run line names them; without it, neither does."""
+    run = bench_model.runs_of(bench_model.load_figures())[0]
+    monkeypatch.delenv("HFGPT_CFLAGS", raising=False)
+    assert "hfgpt_cflags" not in bench_model.machine_info("cpu")
+    assert "kernels built" not in bench_model._run_line({**run, "machine": bench_model.machine_info("cpu")})
+    monkeypatch.setenv("HFGPT_CFLAGS", "-march=x86-64-v3")
+    machine = bench_model.machine_info("cpu")
+    assert machine["hfgpt_cflags"] == "-march=x86-64-v3"
+    assert "hfgpt's kernels built with `-march=x86-64-v3`" in bench_model._run_line(
+        {**run, "machine": machine}
+    )
