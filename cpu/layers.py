@@ -104,8 +104,9 @@ def attention_function(module: nn.Module) -> Callable:
 
 def conv1d_forward(self: Conv1D, x: torch.Tensor) -> torch.Tensor:
     """`Conv1D.forward`: on oneDNN (forward and backward) for float32 CPU tensors, on the C kernel for one
-    row, and inside CPU bfloat16 autocast without gradients from a weight cast into reused memory."""
-    if x.numel() == x.shape[-1]:  # one row: a decoding step at batch size 1
+    row (but where MKL's one-row product is the faster, `mkl_decodes_fast`), and inside CPU bfloat16
+    autocast without gradients from a weight cast into reused memory."""
+    if x.numel() == x.shape[-1] and not ops.mkl_decodes_fast():  # one row: a decoding step at batch size 1
         out = ops.one_row_conv1d(x.reshape(1, -1), self.weight, self.bias)
         if out is not None:
             return out.view(*x.shape[:-1], self.nf)

@@ -161,6 +161,30 @@ def avx512_cpu() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(
+                line.split(":", 1)[-1].strip() == "GenuineIntel"
+                for line in info
+                if line.startswith("vendor_id")
+            )
+    except OSError:
+        return False
+
+
+_INTEL_CPU = _intel_cpu()
+
+
+def mkl_decodes_fast() -> bool:
+    """Whether MKL, which the plain layers' products run on, reads the weights of a decoding step's rows as
+    fast as hfgpt's own one-row products (`one_row_conv1d`, `one_row_product`, `few_rows_product`'s
+    `weight @ flat^T`): on Intel's CPUs (`vendor_id` GenuineIntel), where the plain products decoded GPT-2
+    faster, with torch at AVX-512 and capped at AVX2, at 1 and 2 threads (benchmarks/RESULTS.md); not on
+    AMD's, where MKL takes slower paths and hfgpt's products were measured the faster."""
+    return _INTEL_CPU
+
+
 # Where the float32 products run on oneDNN (`use_onednn_products`): None where it is the faster on this CPU,
 # True wherever it can, False nowhere.
 _cpu_products: dict[str, bool | None] = {"onednn": None if _ONEDNN_LINEAR is not None else False}
@@ -203,12 +227,16 @@ def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     Where torch's kernels stop at AVX2, oneDNN's float32 products at prefill and training sizes are
     slower than MKL's sgemm (the MLP's product with oneDNN's tanh GELU and the transposed weight
     gradients most of all), so those run on MKL, as the plain model's do; at a decoding step's few rows,
-    split between the threads, oneDNN stays the faster there too."""
+    split between the threads, oneDNN stays the faster there on AMD's CPUs, and MKL on Intel's (`mkl_decodes_fast`)."""
     return (
         onednn_runs_here(x)
         and float32_outside_autocast(x, *params)
         and x.numel() >= 2 * x.shape[-1]
-        and (bool(_cpu_products["onednn"]) or x.numel() <= FEW_ROWS * x.shape[-1] or avx512_cpu())
+        and (
+            bool(_cpu_products["onednn"])
+            or avx512_cpu()
+            or (x.numel() <= FEW_ROWS * x.shape[-1] and not mkl_decodes_fast())
+        )
     )
 
 
@@ -1048,14 +1076,17 @@ def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def few_rows_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`flat @ weight.T` for 1-`FEW_ROWS` rows of `flat` (rows, in) and an `[out, in]` weight, computed as
     `weight @ flat^T` with at least two columns: MKL's one-row kernel for `F.linear` reads a tall weight
-    such as GPT-2's 50257 x 768 head several times slower (benchmarks/RESULTS.md). One row is split
-    between the threads where `one_row_product` applies; from `ONEDNN_FEW_ROWS` rows on, oneDNN's
-    product where it applies, without gradients. Contiguous (rows, out)."""
+    such as GPT-2's 50257 x 768 head several times slower on AMD's CPUs (benchmarks/RESULTS.md). One row
+    is split between the threads where `one_row_product` applies; from `ONEDNN_FEW_ROWS` rows on, oneDNN's
+    product where it applies, without gradients. Where `mkl_decodes_fast` (Intel's CPUs), MKL's
+    `flat @ weight.T` instead of the split and of `weight @ flat^T`. Contiguous (rows, out)."""
     rows = len(flat)
-    if rows == 1 and (split := one_row_product(flat, weight)) is not None:
+    if rows == 1 and not mkl_decodes_fast() and (split := one_row_product(flat, weight)) is not None:
         return split
     if rows >= ONEDNN_FEW_ROWS and onednn_products_apply(flat, weight) and not needs_grad(flat, weight):
         return onednn_mm(flat, weight)
+    if mkl_decodes_fast():
+        return torch.mm(flat, weight.T)
     columns = torch.cat([flat, flat]) if rows == 1 else flat  # one column takes the slow kernel again
     return torch.mm(weight, columns.T)[:, :rows].T.contiguous()
 

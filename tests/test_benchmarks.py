@@ -248,11 +248,13 @@ def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
     assert table.count("\n| ") == 1 + len(cases)  # the header row and one row a case
 
 
-def test_kernels_ab_times_each_kernel_a_task_calls_against_the_task_without_it(tmp_path, capsys):
+def test_kernels_ab_times_each_kernel_a_task_calls_against_the_task_without_it(tmp_path, capsys, monkeypatch):
     import ab_kernels
 
     from hfgpt.cpu import kernels
+    from hfgpt.cpu import ops as ops_hfgpt
 
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: False)  # (decoding's products on the kernel)
     if not all(kernels.available(name) for name in ab_kernels.KERNELS):
         pytest.skip("no C compiler: hfgpt's kernels are not built here")
     available = kernels.available

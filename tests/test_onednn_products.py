@@ -168,21 +168,27 @@ def test_one_row_autocast_and_turning_it_off_keep_the_plain_products(onednn_call
         assert not onednn_products_apply(x, ours.weight)
 
 
+@pytest.mark.parametrize("intel", [True, False])
 @pytest.mark.parametrize("avx512", [True, False])
-def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx512(avx512, monkeypatch):
+def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx512(
+    avx512, intel, monkeypatch
+):
     """`use_onednn_products(None)` (the default): oneDNN for products of two or more rows where torch's
     kernels run AVX-512 (`avx512_cpu`); where they stop at AVX2, only up to `FEW_ROWS` rows (a decoding
-    step), MKL above. True runs oneDNN at every size whatever the CPU, False nowhere."""
+    step) on AMD's CPUs, and nowhere on Intel's (`mkl_decodes_fast`), MKL otherwise. True runs oneDNN at
+    every size whatever the CPU, False nowhere."""
     if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: avx512)
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: intel)
     weight = torch.randn(32, 8)
     few, many = ops_hfgpt.FEW_ROWS, ops_hfgpt.FEW_ROWS + 1
     with ops_hfgpt.onednn_products(None) as may_run:
         assert may_run and ops_hfgpt._cpu_products["onednn"] is None
         assert not onednn_products_apply(torch.randn(1, 32), weight)  # one row: MKL's one-row kernel
-        assert onednn_products_apply(torch.randn(2, 32), weight)
-        assert onednn_products_apply(torch.randn(2, few // 2, 32), weight)  # rows across batch and time
+        assert onednn_products_apply(torch.randn(2, 32), weight) == (avx512 or not intel)
+        # rows across batch and time
+        assert onednn_products_apply(torch.randn(2, few // 2, 32), weight) == (avx512 or not intel)
         assert onednn_products_apply(torch.randn(many, 32), weight) == avx512
         assert onednn_products_apply(torch.randn(4, 128, 32), weight) == avx512
     with ops_hfgpt.onednn_products(True):
@@ -191,12 +197,15 @@ def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx
         assert not may_run and not onednn_products_apply(torch.randn(2, 32), weight)
 
 
+@pytest.mark.parametrize("intel", [True, False])
 def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_only(
-    onednn_recorded, monkeypatch
+    intel, onednn_recorded, monkeypatch
 ):
     """Where torch's kernels stop at AVX2, a kernelized model's prefill and training products run on MKL
-    (as the plain model's do) and its batched decoding steps on oneDNN, with the same logits."""
+    (as the plain model's do) and its batched decoding steps on oneDNN on AMD's CPUs, on MKL too on
+    Intel's (`mkl_decodes_fast`), with the same logits."""
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: False)
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: intel)
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY))
     peer = to_transformers(model).eval()
@@ -211,8 +220,8 @@ def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_only
     with torch.no_grad():
         model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=3, do_sample=False)
     # The prompt's 20 rows on MKL, its head (the last position of each row: 4 rows) and two decoding
-    # steps of 4 rows on oneDNN.
-    assert [shape[0] for shape in onednn_recorded] == [4] + [4] * 18
+    # steps of 4 rows on oneDNN (AMD), or nothing on oneDNN (Intel).
+    assert [shape[0] for shape in onednn_recorded] == ([] if intel else [4] + [4] * 18)
 
 
 def test_use_onednn_products_stays_off_without_onednn(monkeypatch):

@@ -78,6 +78,8 @@ def test_project_to_vocab_equals_the_linear_head(rows, bias, cpu_products):
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
 @pytest.mark.parametrize("out", [96, 97, 500])  # divides among the threads, or leaves rows over
 def test_one_row_product_splits_the_weight_rows_between_threads(out, torch_threads, monkeypatch):
+    """... and the LM head at one row takes it, but on Intel's CPUs (`mkl_decodes_fast`), where MKL's
+    `flat @ weight.T` runs."""
     torch.manual_seed(0)
     weight, x = torch.randn(out, 48), torch.randn(1, 48)
     got = one_row_product(x, weight)
@@ -89,17 +91,24 @@ def test_one_row_product_splits_the_weight_rows_between_threads(out, torch_threa
         ops_hfgpt, "one_row_product", lambda *args: results.append(one_row_product(*args)) or results[-1]
     )
     head = torch.nn.Linear(48, out, bias=False)
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: False)
     with torch.no_grad():
         head.weight.copy_(weight)
         torch.testing.assert_close(project_to_vocab(x[None], head)[0], got, atol=0, rtol=0)
     assert len(results) == 1 and torch.equal(results[0], got)
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: True)
+    with torch.no_grad():
+        torch.testing.assert_close(project_to_vocab(x[None], head)[0], x @ weight.T, atol=0, rtol=0)
+    assert len(results) == 1
 
 
 @pytest.mark.parametrize("kernel", [True, False])  # csrc/row_product.c, else torch's split
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
 @pytest.mark.parametrize("width", [48, 45])  # 45 rows do not divide between two threads: Conv1D's addmm
 def test_conv1d_at_one_row_splits_its_weight_rows_between_threads(width, torch_threads, kernel, monkeypatch):
-    """Without the C kernel, torch's split applies where the rows divide evenly between the threads."""
+    """Without the C kernel, torch's split applies where the rows divide evenly between the threads (on
+    AMD's CPUs: on Intel's, MKL's product, `mkl_decodes_fast`)."""
+    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: False)
     if kernel and not kernels.available("row_product"):
         pytest.skip("no C compiler: the row product kernel is not built here")
     if not kernel:

@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
 #define BLOCK 64
 #define TILE 32
 #define LAYOUT_VERSION 2
@@ -407,31 +408,23 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
  * of 64 inputs now and then. One parallel region a call instead of about 20 torch ops a block, whose
  * overhead outside the products was a sizeable share of an int8 decoding step.
  */
-/* Layer norm of one row, with torch's biased variance: two passes (mean, then the squared deviations), each
- * summed in LANES partial sums, then added pairwise (the order of a vector sum of LANES lanes). */
-#define LANES 16
-
-static float lane_sum(float *part)
-{
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) part[j] += part[j + width];
-    return part[0];
-}
-
+/* Layer norm of one row, with torch's biased variance: two passes (the mean, then the squared deviations),
+ * each summed in a vector of partial sums, then across its lanes. */
 static void layer_norm_row(const float *x, int64_t n, const float *w, const float *b, float eps, float *y)
 {
-    float part[LANES] = {0};
-    for (int64_t i = 0; i < n; i += LANES)
-        for (int64_t j = 0; j < LANES && i + j < n; j++) part[j] += x[i + j];
-    const float mean = lane_sum(part) / (float)n;
-    memset(part, 0, sizeof(part));
-    for (int64_t i = 0; i < n; i += LANES)
-        for (int64_t j = 0; j < LANES && i + j < n; j++) {
-            const float d = x[i + j] - mean;
-            part[j] += d * d;
-        }
-    const float rstd = 1.0f / sqrtf(lane_sum(part) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+    vf sum = {0};
+    for (int64_t i = 0; i < n; i += LANES) sum += vload_first(x + i, n - i);
+    const float mean = sum_lanes(sum) / (float)n;
+    vf squares = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        const vf d = vkeep(lanes_below(n - i), vload_first(x + i, n - i) - mean);
+        squares += d * d;
+    }
+    const float rstd = 1.0f / sqrtf(sum_lanes(squares) / (float)n + eps);
+    for (int64_t i = 0; i < n; i += LANES) {
+        const vf normed = (vload_first(x + i, n - i) - mean) * rstd;
+        vstore_first(y + i, normed * vload_first(w + i, n - i) + vload_first(b + i, n - i), n - i);
+    }
 }
 
 /* Inside a parallel region, row by row: y = LN(a + c), the sum kept in `sum`; c NULL: y = LN(a); w NULL:
@@ -451,50 +444,11 @@ static void add_norm(const float *a, const float *c, int64_t rows, int64_t n, co
     }
 }
 
-/* The tanh GELU as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), from x clamped to [-10, 10] (beyond
- * it the GELU is x, or 0 to 1e-37): the formula of vector_math.h's gelu_ps (gelu.c), written with the
- * compiler's vector types (GCC and clang) for 16 floats at a time, which it lowers to whatever the CPU has
- * (gcc leaves the plain loop's comparisons unvectorised under its default -ftrapping-math). exp(-2u) is
- * vector_math.h's exp_ps (a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n), whose argument here lies
- * in [-87.3, 87.3], so 2^n (n in [-126, 126]) is a normal float made from its bits, and n, the nearest
- * integer to v log2(e), is the float sum with 1.5 * 2^23. A NaN stays NaN (x times a finite factor). */
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
-
-/* a where mask, else b (a macro: a function returning a vector type warns of its ABI on CPUs without AVX) */
-#define SELECT16(mask, a, b) ((f32x16)(((mask) & (i32x16)(a)) | (~(mask) & (i32x16)(b))))
-
-static inline void gelu16(f32x16 *values)
-{
-    const f32x16 x = *values;
-    const f32x16 zero = {0}, limit = zero + 10.0f;
-    f32x16 xc = SELECT16(x < limit, x, limit); /* (a NaN becomes the limit here) */
-    xc = SELECT16(xc > -limit, xc, -limit);
-    const f32x16 x2 = xc * xc;
-    const f32x16 v = -2.0f * (0.7978845608028654f * xc) * (0.044715f * x2 + 1.0f);
-    const f32x16 n = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const f32x16 r = (v - n * 0.693359375f) - n * -2.12194440e-4f;
-    f32x16 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const f32x16 two_n = (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
-    *values = x * SELECT16(x < -limit, zero, 1.0f / (1.0f + p * two_n));
-}
-
+/* The tanh GELU in place (vector_math.h's, as gelu.c's), split between the threads of the region. */
 static void gelu_rows(float *x, int64_t count)
 {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < count; i += 16) {
-        f32x16 v = {0};
-        const size_t bytes = sizeof(float) * (size_t)(count - i < 16 ? count - i : 16);
-        memcpy(&v, x + i, bytes);
-        gelu16(&v);
-        memcpy(x + i, &v, bytes);
-    }
+    for (int64_t i = 0; i < count; i += LANES) vstore_first(x + i, gelu_v(vload_first(x + i, count - i)), count - i);
 }
 
 /* (built on every CPU; kept for the callers that ask) */

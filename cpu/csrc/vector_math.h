@@ -8,9 +8,7 @@
  * one source runs on AVX2, AVX-512 and NEON, and is what CI tests.
  *
  * `exp_v` and `sigmoid_parts_v` are the only transcendental pieces: exp as a degree-6 polynomial scaled by
- * 2^n, the tanh GELU as x sigmoid(2u). Where the host has AVX-512 F, BW and VL, the intrinsic-typed names
- * int8_linear.c uses (`exp_ps`, `first`, `sigmoid_parts`, `gelu_ps` on __m512) are defined at the end, on
- * the same portable arithmetic. */
+ * 2^n, the tanh GELU as x sigmoid(2u). */
 #ifndef HFGPT_VECTOR_MATH_H
 #define HFGPT_VECTOR_MATH_H
 #include <stdint.h>
@@ -192,26 +190,5 @@ static inline vf gelu_v(vf x)
     sigmoid_parts_v(x, &s, &es, &dv);
     return x * s;
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* The names int8_linear.c's AVX-512 code calls, on the portable arithmetic above (vf is __m512 there). */
-#include <immintrin.h>
-
-static inline __m512 exp_ps(__m512 x) { return (__m512)exp_v((vf)x); }
-
-static inline __mmask16 first(int64_t n) /* lanes below n (0 <= n) */
-{
-    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-}
-
-static inline void sigmoid_parts(__m512 x, __m512 *s, __m512 *es, __m512 *dv)
-{
-    vf s_, es_, dv_;
-    sigmoid_parts_v((vf)x, &s_, &es_, &dv_);
-    *s = (__m512)s_, *es = (__m512)es_, *dv = (__m512)dv_;
-}
-
-static inline __m512 gelu_ps(__m512 x) { return (__m512)gelu_v((vf)x); }
-#endif
 
 #endif

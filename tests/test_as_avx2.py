@@ -1,0 +1,75 @@
+"""The kernel tests run again as on an x86-64 CPU with AVX2 but no AVX-512 (`.ci/as-avx2`).
+
+The machines that run this suite have AVX-512 and AMX; many users' CPUs have AVX2 alone. There hfgpt's
+kernels are built for 8-lane vectors, the int8 products take their AVX2 path, and torch, oneDNN and MKL
+stop at AVX2, so the backend's choices differ: MKL rather than oneDNN for products above a decoding step's
+rows, sdpa rather than banded attention, `F.linear` rather than oneDNN for bfloat16. The narrower builds
+are also compared with the native one inside each kernel module (`kernel_testing.narrow_build`); this
+runs whole modules in that configuration, where every test passes and the only skips are the int8
+paths whose instructions such a CPU lacks.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_native_cache import AS_AVX2, _mount_namespace_refusal  # tests/ is on sys.path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = [
+    "tests/test_attention_kernel.py",
+    "tests/test_gelu_kernel.py",
+    "tests/test_loss_kernel.py",
+    "tests/test_row_product_kernel.py",
+    "tests/test_int8_kernel.py",
+    "tests/test_int8_block.py",
+    "tests/test_dropout_kernel.py",
+    "tests/test_kernel_ops.py",
+    "tests/test_onednn_products.py",
+    "tests/test_quantization.py",
+]
+# The skips such a CPU is expected to give: the int8 paths that need AVX-512 VNNI or AVX-VNNI.
+EXPECTED_SKIP = re.compile(r"the (avx512_vnni|avx_vnni) path needs a CPU with [a-z0-9_, ]+$")
+
+
+def test_the_kernel_modules_pass_as_on_an_avx2_cpu(tmp_path):
+    refusal = _mount_namespace_refusal()
+    if refusal is not None:
+        pytest.skip(refusal)
+    if os.geteuid() != 0:
+        pytest.skip("as a user other than root, .ci/as-avx2's namespace shows root's folders as nobody's")
+    environment = {
+        **{
+            key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_", "HFGPT_CFLAGS"))
+        },
+        "HFGPT_CACHE_DIR": str(tmp_path / "kernels"),
+    }
+    run = subprocess.run(
+        [
+            str(AS_AVX2),
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            *MODULES,
+        ],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-6000:]
+    skips = re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", output, flags=re.MULTILINE)
+    assert all(EXPECTED_SKIP.match(reason) for _, reason in skips), skips
+    assert sum(int(count) for count, _ in skips) <= 6
+    assert re.search(r"\b\d+ passed\b", output.splitlines()[-1]), output[-2000:]
