@@ -30,6 +30,9 @@ MODULES = [
     "tests/test_kernel_ops.py",
     "tests/test_onednn_products.py",
     "tests/test_quantization.py",
+    "tests/test_performance.py",
+    "tests/test_backend.py",
+    "tests/test_kv_cache.py",
 ]
 # The skips such a CPU is expected to give: the int8 paths that need AVX-512 VNNI or AVX-VNNI.
 EXPECTED_SKIP = re.compile(r"the (avx512_vnni|avx_vnni) path needs a CPU with [a-z0-9_, ]+$")
