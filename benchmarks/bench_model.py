@@ -772,7 +772,12 @@ def ctranslate2_alone(family: str, profile_name: str, repeats: int) -> dict[str,
     22.9 with CTranslate2 loaded), so it is not interleaved with them. The same weights (`build_ours`'s
     seed), prompts and accuracy measures as the section's other rows."""
     spec = dict(kind="ctranslate2", family=family, profile=profile_name, repeats=repeats)
-    spec["threads"] = torch.get_num_threads()
+    return run_worker("CTranslate2", {**spec, "threads": torch.get_num_threads()})
+
+
+def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """This script's `--worker spec` in a fresh process (`memory_worker` or `ctranslate2_worker`): its
+    JSON result, or an error naming `what` and the worker's last output."""
     out = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)],
         capture_output=True,
@@ -781,7 +786,7 @@ def ctranslate2_alone(family: str, profile_name: str, repeats: int) -> dict[str,
         env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
     )
     if out.returncode != 0:
-        raise RuntimeError(f"CTranslate2 worker {spec} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{what} worker {spec} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -986,16 +991,7 @@ def memory_rows(ctx: Context, family: str) -> list[Row]:
                 keep_freed=ctx.keep_freed,
                 onednn=ctx.onednn,
             )
-            out = subprocess.run(
-                [sys.executable, __file__, "--worker", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                check=False,
-                env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
-            )
-            if out.returncode != 0:
-                raise RuntimeError(f"memory worker {spec} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
+            result = run_worker("memory", spec)
             peak = result.get("cuda_peak_bytes", result["peak_rss_bytes"])
             rows.append(
                 Row(
