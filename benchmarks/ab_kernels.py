@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -75,7 +74,8 @@ def recording_calls():
 
 
 def tasks(family: str, profile: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """The three tasks, each a callable on its own copy of the model."""
+    """The three tasks as callables: prefill and greedy decoding on one model, the training step (whose
+    optimizer changes the weights) on a copy of it."""
     model = build_ours(family, profile["model_overrides"], "cpu").eval()
     vocab = model.config.vocab_size
     batch, length = profile["prefill_shapes"][0]
@@ -197,10 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             if task.split()[0] in args.tasks.split(","):
                 rows += kernel_rows(family, task, fn, repeats)
     print(markdown(rows))
-    if args.json:
-        machine = machine_info("cpu")
-        machine["hfgpt_cflags"] = os.environ.get("HFGPT_CFLAGS", "")
-        write_json(args.json, {"machine": machine, "repeats": repeats, "rows": rows})
+    if args.json:  # (machine_info records HFGPT_CFLAGS where it is set)
+        write_json(args.json, {"machine": machine_info("cpu"), "repeats": repeats, "rows": rows})
     losers = [row for row in rows if row["ratio"] < 1]
     if losers:
         print("slower with the kernel: " + ", ".join(f"{r['kernel']} in {r['task']}" for r in losers))
