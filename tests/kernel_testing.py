@@ -2,7 +2,6 @@
 test, a record of a kernel's calls, and a training step compared with torch's ops."""
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,16 +20,18 @@ def fresh_kernel_cache():
     native.kernel.cache_clear()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's flags as hfgpt's kernel cache reads them (`native._cpu_flags`: /proc/cpuinfo's first
+    `flags` line, or arm64's `Features`; empty where there is none)."""
+    return set(native._cpu_flags().partition(":")[2].split())
+
+
 def _narrow_targets() -> list[str | None]:
     """The -march targets narrower than this host's that `narrow_build` can build and run here: on x86-64
     with AVX2 and FMA, x86-64-v3 (8 float lanes, as on CI's AVX2 CPUs); and everywhere the compiler's
     baseline (None: x86-64's SSE2, 4 lanes without FMA; arm64's NEON)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
-    return (["x86-64-v3"] if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags else []) + [None]
+    x86_64_v3 = platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()
+    return (["x86-64-v3"] if x86_64_v3 else []) + [None]
 
 
 NARROW_TARGETS = _narrow_targets()

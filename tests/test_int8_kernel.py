@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import fresh_kernel_cache  # noqa: F401 (autouse: each test loads the kernels afresh)
+from kernel_testing import (
+    cpu_flags,
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+)
 
 from hfgpt.cpu import kernels, native
 from hfgpt.cpu.quantization import INT8_BLOCK, Int8Linear, quantize_activations
@@ -37,19 +40,9 @@ ISA_PATHS = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(
-        next((line for line in text.splitlines() if line.startswith("flags")), "").split(":")[-1].split()
-    )
-
-
 def native_isa() -> int:
     """The path -march=native builds on this CPU: the widest whose instructions it has."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return max((isa for isa, _, needs in ISA_PATHS.values() if needs <= flags), default=0)
 
 
@@ -67,7 +60,7 @@ def isa_libraries(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("int8-paths")
     libraries = {"portable": portable_library(directory)}
     for path, (_, extra, needs) in ISA_PATHS.items():
-        if needs <= _cpu_flags():
+        if needs <= cpu_flags():
             libraries[path] = native.load(
                 native.build("int8_linear", native.FLAGS + extra, directory), "int8_linear"
             )
@@ -77,7 +70,7 @@ def isa_libraries(tmp_path_factory) -> dict:
 def isa_library(libraries: dict, path: str):
     """The library of `path`, or a skip naming the instructions this CPU lacks for it."""
     if path not in libraries:
-        needs = ", ".join(sorted(ISA_PATHS[path][2] - _cpu_flags()))
+        needs = ", ".join(sorted(ISA_PATHS[path][2] - cpu_flags()))
         pytest.skip(f"the {path} path needs a CPU with {needs}")
     return libraries[path]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_testing import cpu_flags  # tests/ is on sys.path
 
 from hfgpt.cpu import native
 
@@ -304,15 +305,6 @@ def test_kernels_built_while_pytest_imports_the_test_modules_go_to_the_sessions_
     assert os.environ["HFGPT_CACHE_DIR"] == CACHE_DIR_AT_IMPORT
 
 
-def _cpu_flags() -> set[str]:
-    """This CPU's flags as hfgpt reads them (/proc/cpuinfo's first `flags` line; empty elsewhere)."""
-    return set(native._cpu_flags().partition(":")[2].split())
-
-
-def _real_compiler() -> list[str]:
-    return shlex.split(os.environ.get("CC", "")) or ["cc"]
-
-
 def _recording_compiler(folder: Path) -> tuple[Path, Path]:
     """A compiler that runs the real one after appending its arguments to a log, one call a line, each
     argument in brackets; and that log."""
@@ -320,7 +312,7 @@ def _recording_compiler(folder: Path) -> tuple[Path, Path]:
     script, log = folder / "recording-cc", folder / "calls.log"
     script.write_text(
         f"#!/bin/sh\nprintf '[%s]' \"$@\" >> {shlex.quote(str(log))}\necho >> {shlex.quote(str(log))}\n"
-        f'exec {shlex.join(_real_compiler())} "$@"\n'
+        f'exec {shlex.join(native._compiler())} "$@"\n'
     )
     os.chmod(script, 0o755)
     return script, log
@@ -328,7 +320,7 @@ def _recording_compiler(folder: Path) -> tuple[Path, Path]:
 
 def test_the_compilers_arguments_are_part_of_the_librarys_name(monkeypatch, tmp_path):
     """`CC="cc -mno-avx512f"` and `CC=cc` are the same compiler (one `--version`) building different code."""
-    compiler = shlex.join(_real_compiler())
+    compiler = shlex.join(native._compiler())
     monkeypatch.setenv("CC", compiler)
     plain = native.build("gelu", directory=tmp_path)
     monkeypatch.setenv("CC", f"{compiler} -DHFGPT_UNUSED_MACRO=1")
@@ -356,7 +348,7 @@ def test_hfgpt_cflags_follow_hfgpts_flags_and_name_the_library(monkeypatch, tmp_
 
 
 @pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags(),
+    platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags(),
     reason="-march=x86-64-v3 needs an x86-64 CPU with AVX2 and FMA to run",
 )
 def test_hfgpt_cflags_march_builds_the_kernels_for_a_narrower_cpu(monkeypatch, tmp_path):
@@ -415,7 +407,7 @@ def _mount_namespace_refusal() -> str | None:
 
 
 @pytest.mark.skipif(
-    platform.machine() != "x86_64" or not {"avx2", "fma"} <= _cpu_flags(),
+    platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags(),
     reason=".ci/as-avx2 needs an x86-64 CPU with AVX2 and FMA",
 )
 def test_as_avx2_runs_a_command_as_on_a_cpu_without_avx512(tmp_path):
