@@ -227,7 +227,8 @@ def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     Where torch's kernels stop at AVX2, oneDNN's float32 products at prefill and training sizes are
     slower than MKL's sgemm (the MLP's product with oneDNN's tanh GELU and the transposed weight
     gradients most of all), so those run on MKL, as the plain model's do; at a decoding step's few rows,
-    split between the threads, oneDNN stays the faster there on AMD's CPUs, and MKL on Intel's (`mkl_decodes_fast`)."""
+    split between the threads, oneDNN stays the faster there on AMD's CPUs, and MKL on Intel's
+    (`mkl_decodes_fast`)."""
     return (
         onednn_runs_here(x)
         and float32_outside_autocast(x, *params)
@@ -1057,8 +1058,9 @@ def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     weight (and bias), without gradients, on hfgpt's C kernel (csrc/row_product.c): each thread reads
     its run of the weight's rows once, the products summed in float32 as oneDNN's bfloat16 product sums
     them, the bias added and the sum rounded to bfloat16 once. None where it does not apply (no kernel,
-    gradients, another dtype, a non-contiguous weight): callers run their product. The CPU's bfloat16 one-row products through oneDNN or torch read the weight well below
-    the memory's rate, which bounds a one-row decoding step (benchmarks/RESULTS.md)."""
+    gradients, another dtype, a non-contiguous weight): callers run their product. The CPU's bfloat16
+    one-row products through oneDNN or torch read the weight well below the memory's rate, which bounds
+    a one-row decoding step (benchmarks/RESULTS.md)."""
     tensors = [x, weight, *([] if bias is None else [bias])]
     if (
         any(t.dtype != torch.bfloat16 for t in tensors)
@@ -1173,14 +1175,14 @@ LOGIT_BLOCK_COLUMNS = 2048
 def blockwise_logits_and_lse(
     hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`out` = `hidden @ weight.T`, its log-sum-exp per row) for float32 (N, E) `hidden` and (V, E)
-    `weight` into a float32 (N, V) `out`, `LOGIT_BLOCK_COLUMNS` columns of the vocabulary at a time (by
-    oneDNN where `onednn_products_apply`, else MKL): each block's exponentials are summed while the block is still in cache, against a running
-    maximum that rescales the earlier sums (as `torch.logsumexp`: a row of -inf gives -inf, a +inf
-    entry +inf). `out` can be memory kept from the last step (`RecycledBuffer`), where oneDNN's single
+    """(`out` = `hidden @ weight.T`, its log-sum-exp per row) for float32 (N, E) `hidden` and (V, E) `weight`
+    into a float32 (N, V) `out`, `LOGIT_BLOCK_COLUMNS` columns of the vocabulary at a time (by oneDNN where
+    `onednn_products_apply`, else MKL): each block's exponentials are summed while the block is still in cache,
+    against a running maximum that rescales the earlier sums (as `torch.logsumexp`: a row of -inf gives -inf, a
+    +inf entry +inf). `out` can be memory kept from the last step (`RecycledBuffer`), where oneDNN's single
     product writes a fresh N x V tensor (for GPT-2 at 1,024 rows, 206 MB), faulted in page by page; and
-    `log_sum_exp` then reads all of it again. Float32 training steps of GPT-1 and GPT-2 are faster this
-    way than with the single product and `log_sum_exp` (benchmarks/RESULTS.md).
+    `log_sum_exp` then reads all of it again. Float32 training steps of GPT-1 and GPT-2 are faster this way than
+    with the single product and `log_sum_exp` (benchmarks/RESULTS.md).
 
     Each block's copy into `out` and its sum run as one pass over each row on hfgpt's C kernel
     (csrc/loss.c, `torch.ops.hfgpt.lse_block`) where it is built, the running sum kept in float64; torch's copy,
@@ -1223,8 +1225,8 @@ def _storage_holders(tensor: torch.Tensor) -> int | None:
 
 class RecycledBuffer:
     """One float32 tensor handed out again once nothing else holds it (`empty`), for the tied LM head's
-    weight gradient (`TiedHeadGradient`) and its logits in training (`blockwise_logits_and_lse`), kept by the
-    model between training steps (`HeadBuffers`).
+    weight gradient (`TiedHeadGradient`) and its logits in training (`blockwise_logits_and_lse`), kept by
+    the model between training steps (`HeadBuffers`).
 
     The gradient is a fresh V x E tensor every backward (GPT-2: 154 MB) that becomes the weight's `.grad`
     and is freed by `zero_grad(set_to_none=True)`. glibc maps a block that size afresh from the kernel

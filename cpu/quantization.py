@@ -44,9 +44,8 @@ class DecodingLinear(nn.Linear):
       (benchmarks/RESULTS.md); one row split between the threads (`one_row_product`).
     - bfloat16 without gradients: at one row, hfgpt's C kernel (`one_row_bfloat16`); at more rows, or
       without a C compiler, oneDNN's linear op where it takes bfloat16 (`_bfloat16_onednn_applies`: a
-      CPU with AVX-512), which reads GPT-2's
-      weights at one row faster than `F.linear`'s bfloat16 path, the LM head included, with the same
-      values (GPT-2 logits equal, greedy tokens equal).
+      CPU with AVX-512), which reads GPT-2's weights at one row faster than `F.linear`'s bfloat16 path,
+      the LM head included, with the same values (GPT-2 logits equal, greedy tokens equal).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
