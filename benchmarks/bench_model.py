@@ -948,6 +948,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_bytes": _status_bytes("VmHWM"),
         "rss_after_imports_bytes": rss_after_imports,
         "rss_with_model_bytes": rss_with_model,
+        "pid": os.getpid(),  # (the process measured: one fresh worker per row)
     }
     if device.startswith("cuda"):
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
