@@ -49,6 +49,7 @@ from hfgpt.modeling.modeling_hfgpt import (
 )
 
 from . import ops
+from .cache import grow_in_place
 
 ATTENTION = "hfgpt_cpu"
 ENV_SWITCH = "HFGPT_CPU_BACKEND"
@@ -232,13 +233,17 @@ def causal_lm_forward(
     **kwargs: Any,
 ) -> CausalLMOutputWithPast | tuple:
     """`GPTForCausalLM.forward`; with labels (and transformers' own loss function), the head and the loss
-    computed together by `ops.lm_logits_and_loss`."""
+    computed together by `ops.lm_logits_and_loss`. On the CPU, a plain `DynamicCache` it is given appends
+    without copying the cache (`hfgpt.cpu.cache.grow_in_place`)."""
     plain = functools.partial(GPTForCausalLM.forward, self)
+    on_cpu = self.transformer.wte.weight.device.type == "cpu"
+    if on_cpu:
+        grow_in_place(cache if cache is not None else kwargs.get("past_key_values"))
     if (
         labels is None
         or getattr(self, "_loss_function", None) is not None
         or logits_to_keep != 0
-        or self.transformer.wte.weight.device.type != "cpu"  # elsewhere the plain model's fused loss
+        or not on_cpu  # elsewhere the plain model's fused loss
     ):
         return plain(
             input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds,

@@ -229,10 +229,12 @@ def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
     gradients most of all), so those run on MKL, as the plain model's do; at a decoding step's few rows,
     split between the threads, oneDNN stays the faster there on AMD's CPUs, and MKL on Intel's
     (`mkl_decodes_fast`)."""
+    # The row count first, which rules out a one-row decoding step's products at the least cost; the CPU's
+    # capability after `onednn_runs_here`'s compile check (torch.compile cannot trace its lookup).
     return (
-        onednn_runs_here(x)
+        x.numel() >= 2 * x.shape[-1]
+        and onednn_runs_here(x)
         and float32_outside_autocast(x, *params)
-        and x.numel() >= 2 * x.shape[-1]
         and (
             bool(_cpu_products["onednn"])
             or avx512_cpu()
