@@ -1,7 +1,8 @@
 """hfgpt's C kernels (csrc/) as torch operators.
 
-Each kernel is a `torch.library.custom_op` in the `hfgpt` namespace (`torch.ops.hfgpt.*`) with a fake
-implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and meta passes get
+Each kernel is a torch operator in the `hfgpt` namespace (`torch.ops.hfgpt.*`), a `torch.library.custom_op`
+or, for those a decoding step calls many times, one defined with `torch.library.Library` (`_decoding_op`),
+with a fake implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and meta passes get
 shapes without running C, `make_fx` and `torch.compile` record the op, dispatch modes (FlopCounterMode, a
 profiler's timer) see it as one op of its own, and the GELU, the one kernel that is differentiable on its
 own, carries its gradient (`register_autograd`) and a batching rule (`register_vmap`). Only real CPU tensors
@@ -16,6 +17,7 @@ runs on OpenMP threads of its own.
 """
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -84,6 +86,26 @@ def _strides(t: Tensor) -> ctypes.Array:
 
 def _pointers(tensors: list[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+# The operators a decoding step calls once per layer or per product (decode attention, the one-row products,
+# the int8 copy's) are defined with torch.library's lower-level API (`Library.define` and `Library.impl` for
+# the CPU), not `custom_op`: the dispatcher sees them the same way (schema, fake implementation, profilers,
+# dispatch modes), but a call skips `custom_op`'s autograd wrapper in Python, which cost a GPT-2 decoding step
+# at batch size 1 about 45 us an operator. They have no gradient (their callers never pass tensors that need
+# one).
+_DECODING = torch.library.Library("hfgpt", "FRAGMENT")
+
+
+def _decoding_op(function: Callable) -> Callable:
+    """Define `function` (typed as `custom_op` takes it) as the CPU implementation of the operator
+    `hfgpt::<its name>` and return that operator (`torch.ops.hfgpt.<name>.default`)."""
+    name = function.__name__
+    _DECODING.define(name + torch.library.infer_schema(function, mutates_args=()))
+    _DECODING.impl(name, function, "CPU")
+    operator = getattr(torch.ops.hfgpt, name).default
+    operator.__doc__ = function.__doc__
+    return operator
 
 
 # ---------------------------------------------------------------------------------------------- GELU
@@ -217,7 +239,7 @@ def _(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
     return query.new_empty(batch, length, heads, dim)
 
 
-@torch.library.custom_op("hfgpt::decode_attention", mutates_args=(), device_types="cpu")
+@_decoding_op
 def decode_attention(
     query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, scaling: float
 ) -> Tensor:
@@ -250,7 +272,7 @@ def decode_attention(
     return output
 
 
-@decode_attention.register_fake
+@torch.library.register_fake("hfgpt::decode_attention")
 def _(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, scaling: float) -> Tensor:
     batch, heads, _, dim = query.shape
     return query.new_empty(batch, 1, heads, dim)
@@ -352,7 +374,7 @@ def _expect_row(op: str, dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Te
         raise ValueError(f"hfgpt::{op}: needs one row x (1, in) and a 2-D weight, got {tuple(x.shape)}")
 
 
-@torch.library.custom_op("hfgpt::row_product", mutates_args=(), device_types="cpu")
+@_decoding_op
 def row_product(x: Tensor, weight: Tensor, parts: int) -> Tensor:
     """`x @ weight.T` for one float32 row `x` (1, in) and an `[out, in]` weight, split between `parts`
     threads, each reading its run of the weight's rows once (csrc/row_product.c)."""
@@ -368,12 +390,12 @@ def row_product(x: Tensor, weight: Tensor, parts: int) -> Tensor:
     return y
 
 
-@row_product.register_fake
+@torch.library.register_fake("hfgpt::row_product")
 def _(x: Tensor, weight: Tensor, parts: int) -> Tensor:
     return x.new_empty(1, weight.shape[0])
 
 
-@torch.library.custom_op("hfgpt::row_conv1d", mutates_args=(), device_types="cpu")
+@_decoding_op
 def row_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
     """`x @ weight + bias` for one float32 row `x` (1, in) and a Conv1D `[in, out]` weight, each of `parts`
     threads summing a block of the weight's rows (csrc/row_product.c)."""
@@ -389,12 +411,12 @@ def row_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Te
     return y
 
 
-@row_conv1d.register_fake
+@torch.library.register_fake("hfgpt::row_conv1d")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
     return x.new_empty(1, weight.shape[1])
 
 
-@torch.library.custom_op("hfgpt::row_product_bf16", mutates_args=(), device_types="cpu")
+@_decoding_op
 def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a bfloat16 `[out, in]` weight, summed
     in float32 and rounded once (csrc/row_product.c)."""
@@ -410,7 +432,7 @@ def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y
 
 
-@row_product_bf16.register_fake
+@torch.library.register_fake("hfgpt::row_product_bf16")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(1, weight.shape[0])
 
@@ -498,7 +520,7 @@ def _int8_layer_arguments(packed: Tensor, scale: Tensor, bias: Tensor | None, ou
     return (packed.data_ptr(), *sizes, scale.data_ptr(), _pointer(bias))
 
 
-@torch.library.custom_op("hfgpt::int8_linear", mutates_args=(), device_types="cpu")
+@_decoding_op
 def int8_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     """`Int8Linear`'s product (`hfgpt.cpu.quantization`): float32 rows `x` (..., in) quantized per block of
     `INT8_BLOCK` inputs to int8, multiplied by the packed int8 weight, times the per-channel `scale`, plus
@@ -518,12 +540,12 @@ def int8_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None) -
     return out
 
 
-@int8_linear.register_fake
+@torch.library.register_fake("hfgpt::int8_linear")
 def _(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 
-@torch.library.custom_op("hfgpt::int8_norm_linear", mutates_args=(), device_types="cpu")
+@_decoding_op
 def int8_norm_linear(
     x: Tensor,
     norm_weight: Tensor | None,
@@ -556,13 +578,13 @@ def int8_norm_linear(
     return y
 
 
-@int8_norm_linear.register_fake
+@torch.library.register_fake("hfgpt::int8_norm_linear")
 def _(x: Tensor, *rest: object) -> Tensor:
     scale = rest[4]  # (after the norm's weight and bias, eps and the packed weight)
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 
-@torch.library.custom_op("hfgpt::int8_block_tail", mutates_args=(), device_types="cpu")
+@_decoding_op
 def int8_block_tail(
     attention: Tensor,
     hidden: Tensor,
@@ -615,7 +637,7 @@ def int8_block_tail(
     return out
 
 
-@int8_block_tail.register_fake
+@torch.library.register_fake("hfgpt::int8_block_tail")
 def _(attention: Tensor, hidden: Tensor, *_: object) -> Tensor:
     return torch.empty_like(hidden)
 
