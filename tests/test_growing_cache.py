@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_kv_cache import states  # tests/ is on sys.path
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hfgpt.cpu import cache as growing
@@ -25,11 +26,6 @@ def models(overrides: dict) -> tuple[GPTForCausalLM, GPTForCausalLM]:
     torch.manual_seed(0)
     ours = kernelize(GPTForCausalLM(GPTConfig(**overrides)).eval())
     return ours, unkernelize(copy.deepcopy(ours))
-
-
-def states(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, 3, length, 8, generator=generator) for _ in range(2))
 
 
 def assert_same_layers(got: DynamicCache, expected: DynamicCache) -> None:
