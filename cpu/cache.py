@@ -96,10 +96,15 @@ def _append(
     cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the cached positions followed by `new`, as a view of the buffer's first positions; the buffer):
-    written into `buffer` where `cached` is its first positions and it has room, else into a new buffer
-    with a quarter spare that first receives a copy of `cached`."""
+    written into `buffer` where `cached` is its first positions, it has room and it may be written here,
+    else into a new buffer with a quarter spare that first receives a copy of `cached`."""
     length, extra = cached.shape[-2], new.shape[-2]
-    if not _prefix_of(cached, buffer) or length + extra > buffer.shape[-2]:
+    if (
+        not _prefix_of(cached, buffer)
+        or length + extra > buffer.shape[-2]
+        # a buffer made under `torch.inference_mode()` can be written only there
+        or (buffer.is_inference() and not torch.is_inference_mode_enabled())
+    ):
         need = length + extra
         batch, heads, _, dim = cached.shape
         buffer = cached.new_empty(batch, heads, need + max(need // 4, MIN_SPARE), dim)

@@ -143,6 +143,24 @@ def test_appends_under_autograd_concatenate_and_carry_gradients():
     assert keys.data_ptr() == buffer and keys.shape[-2] == 8
 
 
+def test_a_cache_filled_under_inference_mode_grows_outside_it():
+    """A prompt run under `torch.inference_mode()` and steps under `torch.no_grad()` (a tensor made in
+    inference mode cannot be written outside it): the steps move the cache into a buffer they may write,
+    with the plain model's logits."""
+    ours, plain = models(TINY)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache, reference = DynamicCache(), DynamicCache()
+    with torch.inference_mode():
+        ours(ids[:, :6], cache=cache)
+        plain(ids[:, :6], cache=reference)
+    with torch.no_grad():
+        for position in range(6, 12):
+            got = ours(ids[:, position : position + 1], cache=cache).logits
+            expected = plain(ids[:, position : position + 1], cache=reference).logits
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not cache.layers[0].keys.is_inference()
+
+
 def test_other_caches_and_other_devices_are_left_alone():
     """A `DynamicCache` subclass (which may rely on its layers' type) keeps its `DynamicLayer`s, and a
     plain one given to an unkernelized model is not touched."""
