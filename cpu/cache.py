@@ -44,9 +44,10 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._writes(key_states, value_states):
+        empty = not self.is_initialized or self.keys.numel() == 0
+        if not self._writes(key_states, value_states, empty):
             return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized or self.keys.numel() == 0:  # the prompt: buffers start with its positions
+        if empty:  # the prompt: buffers start with its positions
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         self.keys, self._key_buffer = _append(self.keys, self._key_buffer, key_states)
@@ -57,13 +58,12 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         super().reset()
 
-    def _writes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    def _writes(self, key_states: torch.Tensor, value_states: torch.Tensor, empty: bool) -> bool:
         """Whether this update writes into the buffers: eager, no autograd through the cache, and (B, H, T, D)
-        states that start the cache or extend the cached ones (same dtype, device, batch, heads and head
-        size)."""
+        states that start the cache (`empty`: nothing cached yet) or extend the cached ones (same dtype,
+        device, batch, heads and head size)."""
         if torch.compiler.is_compiling() or key_states.dim() != 4 or key_states.shape != value_states.shape:
             return False
-        empty = not self.is_initialized or self.keys.numel() == 0
         tensors = (key_states, value_states) if empty else (key_states, value_states, self.keys, self.values)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return False

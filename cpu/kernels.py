@@ -1,12 +1,13 @@
 """hfgpt's C kernels (csrc/) as torch operators.
 
-Each kernel is a torch operator in the `hfgpt` namespace (`torch.ops.hfgpt.*`), a `torch.library.custom_op`
-or, for those a decoding step calls many times, one defined with `torch.library.Library` (`_decoding_op`),
-with a fake implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and meta passes get
-shapes without running C, `make_fx` and `torch.compile` record the op, dispatch modes (FlopCounterMode, a
-profiler's timer) see it as one op of its own, and the GELU, the one kernel that is differentiable on its
-own, carries its gradient (`register_autograd`) and a batching rule (`register_vmap`). Only real CPU tensors
-reach the implementations here, which hand their data pointers to the C code loaded by `hfgpt.cpu.native`.
+Each kernel is a torch operator in the `hfgpt` namespace (`torch.ops.hfgpt.*`): a `torch.library.custom_op`
+or, for those a decoding step calls many times, one defined with `torch.library.Library` (`_decoding_op`).
+Each has a fake implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and
+meta passes get shapes without running C, `make_fx` and `torch.compile` record the op, dispatch modes
+(FlopCounterMode, a profiler's timer) see it as one op of its own, and the GELU, the one kernel that is
+differentiable on its own, carries its gradient (`register_autograd`) and a batching rule (`register_vmap`).
+Only real CPU tensors reach the implementations here, which hand their data pointers to the C code loaded
+by `hfgpt.cpu.native`.
 
 The callers in `hfgpt.cpu.ops` and `hfgpt.cpu.quantization` decide where a kernel stands in for torch's
 ops (dtypes, strides, the CPU the library was built for: `available`); each implementation checks what the

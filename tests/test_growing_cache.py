@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_kv_cache import states  # tests/ is on sys.path
+from test_kv_cache import CACHE, states  # tests/ is on sys.path
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from hfgpt.cpu import cache as growing
@@ -51,7 +51,7 @@ def test_steps_write_into_the_callers_cache_without_copying_it(overrides):
         start = cache.layers[0].keys.data_ptr()
         for position in range(8, 40):
             out = ours(ids[:, position : position + 1], cache=cache)
-            assert out.cache is cache if hasattr(out, "cache") else out.past_key_values is cache
+            assert getattr(out, CACHE) is cache
             expected = plain(ids[:, position : position + 1], cache=reference).logits
             torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
             assert cache.layers[0].keys.data_ptr() == start  # 8 + 64 spare positions: never reallocated
@@ -76,7 +76,7 @@ def test_generate_gives_transformers_tokens_past_the_buffers_first_size(override
     with torch.no_grad():
         out = ours.generate(ids, max_new_tokens=150, return_dict_in_generate=True, **common)
         assert torch.equal(out.sequences, peer.generate(ids, max_new_tokens=150, **common))
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache = getattr(out, CACHE)
         assert all(type(layer) is growing.GrowingLayer for layer in cache.layers)
         beams = dict(common, max_new_tokens=20, num_beams=3)
         assert torch.equal(ours.generate(ids, **beams), peer.generate(ids, **beams))
