@@ -8,8 +8,9 @@ What is measured, each as a ratio against transformers' model in the same run (t
 * decode: greedy `generate()` from left-padded prompts of different lengths (with attention_mask),
   new tokens/s, the generated tokens checked identical, beside the bandwidth floor of one step (the
   weight bytes a step reads / the measured memory read rate);
-* lowp: decoding copies at batch size 1 (`quantize_for_decoding`: float32, bfloat16, int8), with their
-  accuracy cost against the float32 model (logit error, top-1 and greedy agreement);
+* lowp: decoding copies at batch size 1 (`quantize_for_decoding`: float32, bfloat16, int8; with the
+  `compile` peer, the int8 copy also with its step compiled on a static cache), with their accuracy cost
+  against the float32 model (logit error, top-1 and greedy agreement);
 * train: forward, backward and fused AdamW, s/step and MFU, in float32 and inside bfloat16 autocast;
 * memory: peak memory of a training step, a prefill and a decoding run, each in a fresh subprocess
   (peak RSS on the CPU, `torch.cuda.max_memory_allocated` on CUDA);
@@ -77,13 +78,15 @@ from hfgpt.modeling.interop import to_transformers, to_transformers_config
 FAMILIES = ("gpt2", "gpt1")
 SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
 # Other routes to a fast model, timed as extra contenders (`--peers`): the plain hfgpt model under
-# torch.compile (prefill, train), torchao's int8 and CTranslate2's int8 generator (lowp). The last two
+# torch.compile (prefill, train; in lowp, the int8 copy's step compiled), torchao's int8 and CTranslate2's
+# int8 generator (lowp). The last two
 # need `pip install 'hfgpt[bench]'`.
 PEERS = ("compile", "torchao", "ctranslate2")
 PEER_PACKAGES = {"torchao": "torchao", "ctranslate2": "ctranslate2"}
 # The contenders' names in the figures (a row's `impl`).
 COMPILED = "torch.compile"
 TORCHAO = "torchao int8"
+INT8_COMPILED = "hfgpt int8 compiled"
 CTRANSLATE2 = "ctranslate2 int8"
 
 # Sizes per profile. `full` gives the published figures; `quick` trims repeats and decoding length; `tiny`
@@ -194,10 +197,16 @@ def torchao_int8(model: GPTForCausalLM) -> tuple[GPTForCausalLM, dict[str, Any]]
 
     quantized = conv1d_as_linear(plain_hfgpt(model)).eval()
     quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+    return quantized, compiled_decoding(quantized)
+
+
+def compiled_decoding(model: nn.Module) -> dict[str, Any]:
+    """Set `model` to compile its decoding step in `generate()` on any device (transformers' compile_config)
+    and return the `generate()` arguments that turn compilation on: a static cache."""
     compile_config = CompileConfig(fullgraph=True, mode="default")
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
-    quantized.generation_config.compile_config = compile_config
-    return quantized, {"cache_implementation": "static"}
+    model.generation_config.compile_config = compile_config
+    return {"cache_implementation": "static"}
 
 
 @dataclass
@@ -686,8 +695,9 @@ def _no_grad(fn: Callable, *args: Any) -> Any:
 def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) -> list[Row]:
     """Decoding copies (B=1): bfloat16 weights, int8 (`Int8Linear`) and, on the CPU, the float32
     `DecodingLinear` copy (all from `quantize_for_decoding`), against float32 hfgpt and transformers,
-    with the accuracy cost: logit error on a prefill and greedy agreement; with the `torchao` and
-    `ctranslate2` peers, their int8 decoding beside them (CTranslate2 converts GPT-2 only)."""
+    with the accuracy cost: logit error on a prefill and greedy agreement; with the `compile` peer, the
+    int8 copy with its decoding step compiled (static cache); with the `torchao` and `ctranslate2` peers,
+    their int8 decoding beside them (CTranslate2 converts GPT-2 only)."""
     new = ctx.profile["new_tokens"]
     prompts = left_padded_prompts(1, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
     variants: dict[str, Decoder] = {
@@ -698,6 +708,9 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
         if ctx.bfloat16:
             variants["hfgpt bf16"] = module_decoder(quantize_for_decoding(ours, torch.bfloat16))
         variants["hfgpt int8"] = module_decoder(quantize_for_decoding(ours))
+        if "compile" in ctx.peers:
+            int8 = quantize_for_decoding(ours)
+            variants[INT8_COMPILED] = module_decoder(int8, **compiled_decoding(int8))
         variants["hfgpt fp32 copy"] = module_decoder(quantize_for_decoding(ours, torch.float32))
         if "torchao" in ctx.peers:
             quantized, kwargs = torchao_int8(ours)
@@ -715,7 +728,7 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
         reference = ours(ids).logits.float()
         ref_tokens = greedy(ours, prompts, new)
         accuracy = {}
-        # Each variant's first greedy run here is also its warm-up (and where torchao's step compiles).
+        # Each variant's first greedy run here is also its warm-up (and where the compiled steps compile).
         for name, decoder in variants.items():
             logits = decoder.logits(ids).to(reference.device)
             tokens = decoder.greedy(prompts, new).to(ref_tokens.device)
@@ -1468,6 +1481,7 @@ SUMMARY_ROWS: list[tuple[str, str, str, str]] = [
     ("decoding copy, float32, B=1", "lowp", "B=1", "hfgpt fp32 copy"),
     ("decoding copy, bfloat16, B=1", "lowp", "B=1", "hfgpt bf16"),
     ("decoding copy, int8, B=1", "lowp", "B=1", "hfgpt int8"),
+    ("decoding copy, int8 + torch.compile (static cache), B=1", "lowp", "B=1", INT8_COMPILED),
     ("decoding, both compiled (static cache), B=1", "compile", "B=1", "hfgpt"),
     ("plain hfgpt + torch.compile: prefill, B=1 x 512", "prefill", "B=1x512, all logits", COMPILED),
     ("plain hfgpt + torch.compile: training step", "train", "B=4x256, fp32, fused AdamW", COMPILED),

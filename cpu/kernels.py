@@ -29,6 +29,7 @@ from . import native
 ATTENTION_BAND = 64
 
 
+@torch.compiler.assume_constant_result
 def available(name: str) -> bool:
     """Whether csrc/{name}.c is built and loaded (`native.kernel`). Every kernel but the int8 one is one
     portable source that runs on any CPU (vectors as wide as the host's: AVX2, AVX-512, NEON); the int8
@@ -643,6 +644,7 @@ def _(attention: Tensor, hidden: Tensor, *_: object) -> Tensor:
     return torch.empty_like(hidden)
 
 
+@torch.compiler.assume_constant_result
 def int8_fused_available() -> bool:
     """Whether `int8_norm_linear` and `int8_block_tail` run here: csrc/int8_linear.c is built (on any CPU)."""
     return available("int8_linear") and bool(native.kernel("int8_linear").hfgpt_int8_fused_available())

@@ -110,7 +110,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def has_storage(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` has memory a kernel can read (functorch's vmap and grad wrappers have none)."""
+    """Whether `tensor` has memory a kernel can read (functorch's vmap and grad wrappers have none). While
+    torch.compile traces, yes: the compiled graph calls the kernels' operators on the real tensors."""
+    if torch.compiler.is_compiling():
+        return True
     try:
         tensor.data_ptr()
     except RuntimeError:
@@ -321,7 +324,6 @@ class Int8Block(GPTBlock):
             or not has_storage(hidden_states)
             or (torch.is_grad_enabled() and needs_grad(hidden_states, *norms))
             or torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
             or any(has_forward_hooks(module) for module in parts)  # code the fused path would not run
             or not plain_tensors(hidden_states, *norms)

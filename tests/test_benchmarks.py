@@ -631,6 +631,18 @@ def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
     assert "| gpt2 | prefill torch.compile |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_int8_copy_compiled_runs_beside_the_eager_copy_in_lowp(tmp_path):
+    argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile", "--repeats", "1"]
+    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "figures.json").read_text())["rows"]}
+    compiled, eager = rows[bench_model.INT8_COMPILED], rows["hfgpt int8"]
+    assert compiled["rate"] > 0 and compiled["case"] == eager["case"]
+    # the same copy, the same tokens: compiling changes the speed only
+    for measure in ("greedy_token_agreement", "greedy_first_divergence", "max_abs_logit_err"):
+        assert compiled["extra"][measure] == eager["extra"][measure]
+
+
 # --- RESULTS.md and the README: their tables are made from the figures ----------------------------------
 
 RESULTS = Path(bench_model.__file__).parent / "RESULTS.md"

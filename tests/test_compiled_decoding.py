@@ -1,14 +1,18 @@
 """generate() with a static cache and the decoding step compiled (transformers' `compile_config`), as
 transformers documents it: one graph with no break, compiled once and never again for later steps or a
 second call of the same shapes, and the tokens of eager decoding. GPT-2 and GPT-1 (transformers' own GPT-1
-has no cache to compile), one prompt and a left-padded batch."""
+has no cache to compile), one prompt and a left-padded batch; and the int8 decoding copy, its C operators
+inside the graph."""
+
+import collections
 
 import pytest
 import torch
 import transformers
 from test_modeling import TINY
 
-from hfgpt.cpu import kernelize, unkernelize
+from hfgpt.cpu import kernelize, native, unkernelize
+from hfgpt.cpu.quantization import quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -52,3 +56,34 @@ def test_compiled_static_cache_decoding_is_one_graph_compiled_once(norm, backend
         assert dict(counters["recompiles"]) == {}
         assert torch.equal(compiled, eager) and torch.equal(again, eager)
         assert "_compiled_call" in vars(model)  # the compiled step really ran
+
+
+# The int8 decoding copy compiles the same way: its fused block operators (`hfgpt::int8_norm_linear`,
+# `hfgpt::int8_block_tail`) and the LM head's `hfgpt::int8_linear` are calls inside the one graph, so the
+# compiled steps give the eager copy's tokens.
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_int8_decoding_copy_compiles_to_one_graph_around_its_operators(norm):
+    if native.kernel("int8_linear") is None:
+        pytest.skip("no C compiler to build the int8 kernel with")
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm)).eval()
+    int8 = quantize_for_decoding(model)
+    common = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
+    inputs = prompts(3)
+    eager = int8.generate(**inputs, **common)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = int8.generate(**inputs, compile_config=compiled_step_config(), **common)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["graph_break"]) == {}
+    assert "_compiled_call" in vars(int8)
+    assert torch.equal(compiled, eager)
+    with torch.profiler.profile() as profile:  # (compiling itself runs the graph on real inputs too)
+        again = int8.generate(**inputs, compile_config=compiled_step_config(), **common)
+    assert dict(counters["recompiles"]) == {} and torch.equal(again, eager)
+    calls = collections.Counter(event.name for event in profile.events())
+    # the prompt (eager) and the 6 compiled steps: each layer's two fused calls, one LM head a step
+    steps, layers = 7, TINY["n_layer"]
+    assert calls["hfgpt::int8_norm_linear"] == calls["hfgpt::int8_block_tail"] == steps * layers
+    assert calls["hfgpt::int8_linear"] == steps
