@@ -87,6 +87,9 @@ PEER_PACKAGES = {"torchao": "torchao", "ctranslate2": "ctranslate2"}
 COMPILED = "torch.compile"
 TORCHAO = "torchao int8"
 INT8_COMPILED = "hfgpt int8 compiled"
+# A compiled decoding step whose logits are further than this (relative) from the same step run eagerly
+# computes something else: its row says so instead of a speed (`step_error`).
+WRONG_STEP = 0.05
 CTRANSLATE2 = "ctranslate2 int8"
 
 # Sizes per profile. `full` gives the published figures; `quick` trims repeats and decoding length; `tiny`
@@ -216,13 +219,34 @@ class Decoder:
 
     logits: Callable[[torch.Tensor], torch.Tensor]
     greedy: Callable[[dict[str, torch.Tensor], int], torch.Tensor]
+    # For a compiled decoding step: how far its logits are from the same step run eagerly (`step_error`).
+    compiled_step_error: Callable[[dict[str, torch.Tensor]], float] | None = None
 
 
 def module_decoder(model: nn.Module, **generate_kwargs: Any) -> Decoder:
+    compiled = generate_kwargs.get("cache_implementation") == "static"
     return Decoder(
         logits=lambda ids: model(ids).logits.float(),
         greedy=lambda prompts, new: greedy(model, prompts, new, **generate_kwargs),
+        compiled_step_error=(lambda prompts: step_error(model, prompts, generate_kwargs))
+        if compiled
+        else None,
     )
+
+
+def step_error(model: nn.Module, prompts: dict[str, torch.Tensor], generate_kwargs: dict[str, Any]) -> float:
+    """The relative error of the logits of `model`'s first compiled decoding step against the same step run
+    eagerly (`disable_compile`): the prompt runs eagerly in both, so the step's input is the same. A
+    compiled graph can compute something else than the eager model; the speed of a step that does is not
+    a figure (torch's `_int_mm` on the CPU returns without computing when inductor hands it a single row
+    with stride 0, pytorch/pytorch#195066: what torchao's compiled int8 decoding does)."""
+    common = dict(max_new_tokens=2, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    compiled = model.generate(**prompts, **common, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eager = model.generate(
+        **prompts, **common, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True
+    )
+    step, reference = compiled.logits[1].float(), eager.logits[1].float()
+    return ((step - reference).norm() / reference.norm()).item()
 
 
 def ctranslate2_int8(peer: PreTrainedModel) -> Decoder | None:
@@ -733,6 +757,12 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
             logits = decoder.logits(ids).to(reference.device)
             tokens = decoder.greedy(prompts, new).to(ref_tokens.device)
             accuracy[name] = decoding_accuracy(logits, reference, tokens, ref_tokens)
+            if decoder.compiled_step_error is not None:
+                error = decoder.compiled_step_error(prompts)
+                accuracy[name]["compiled_step_rel_err"] = error
+                if not error <= WRONG_STEP:
+                    accuracy[name]["wrong"] = f"a compiled step's logits off the eager step's by {error:.2g}x their norm"
+                    print(f"[{family} lowp: {name}: {accuracy[name]['wrong']}]", file=sys.stderr)
     fns = {name: (lambda d=decoder: _no_grad(d.greedy, prompts, new)) for name, decoder in variants.items()}
     rows = []
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
@@ -1257,14 +1287,19 @@ def format_table(report: dict[str, Any]) -> str:
                 if name == "transformers fp32":
                     continue
                 ex = row["extra"]
+                compiled = ""
+                if "compiled_step_rel_err" in ex:
+                    compiled = f"; compiled step vs eager: rel err {ex['compiled_step_rel_err']:.1e}"
+                    compiled += f", **wrong results: {ex['wrong']}**" if "wrong" in ex else ""
+                ratio = "wrong" if "wrong" in ex else f"{row['rate'] / ref['rate']:.2f}x"
                 lines.append(
                     f"| {family} | decode {name} | {case} | {_cell(row)} | {_cell(ref)} | "
-                    f"{row['rate'] / ref['rate']:.2f}x | {ex['ms_per_step']:.1f} ms/step (fp32 floor "
+                    f"{ratio} | {ex['ms_per_step']:.1f} ms/step (fp32 floor "
                     f"{ex['fp32_floor_ms_per_step']:.1f}"
                     f"{_same_minutes(ex, 'fp32_floor_same_minutes_ms_per_step')}); "
                     f"max logit err {ex['max_abs_logit_err']:.2g}, "
                     f"top-1 {100 * ex['top1_agreement']:.1f}%, greedy agree "
-                    f"{100 * ex['greedy_token_agreement']:.0f}% |"
+                    f"{100 * ex['greedy_token_agreement']:.0f}%{compiled} |"
                 )
             continue
         ours, peer = by_impl.get("hfgpt"), by_impl.get("transformers")
@@ -1509,7 +1544,7 @@ def summary_figures(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             peer = _find_row(rows, family, section, case, peer_impl)
             line[family] = {
                 "figure": _summary_cell(row) if row else None,
-                "ratio": row["rate"] / peer["rate"] if row and peer else None,
+                "ratio": row["rate"] / peer["rate"] if row and peer and "wrong" not in row["extra"] else None,
             }
         lines.append(line)
     return lines
@@ -1517,6 +1552,8 @@ def summary_figures(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _summary_cell(row: dict) -> str:
     ex = row["extra"]
+    if "wrong" in ex:  # (what is wrong: the full table's notes)
+        return "wrong results"
     if row["section"] == "memory":
         return f"{row['rate']:.2f} GB"
     if row["section"] in ("prefill", "train"):

@@ -643,6 +643,43 @@ def test_int8_copy_compiled_runs_beside_the_eager_copy_in_lowp(tmp_path):
         assert compiled["extra"][measure] == eager["extra"][measure]
 
 
+@pytest.mark.slow
+def test_a_compiled_step_is_checked_against_the_same_step_run_eagerly(monkeypatch):
+    from hfgpt.cpu.quantization import quantize_for_decoding
+
+    ours = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    prompts = bench_model.left_padded_prompts(1, 8, TINY["vocab_size"], 0, "cpu")
+    int8 = quantize_for_decoding(ours)
+    wrong = bench_model.build_ours("gpt2", TINY, "cpu").eval()
+    forward = wrong.forward
+
+    def compiled_elsewhere(*args, **kwargs):  # other logits when compiled, as a graph whose kernel
+        out = forward(*args, **kwargs)  # silently refuses its arguments would give
+        if torch.compiler.is_compiling():
+            out.logits = torch.ones_like(out.logits)
+        return out
+
+    monkeypatch.setattr(wrong, "forward", compiled_elsewhere)  # (what generate() compiles calls it)
+    with torch.inference_mode():
+        assert bench_model.step_error(int8, prompts, bench_model.compiled_decoding(int8)) < 1e-6
+        assert bench_model.step_error(wrong, prompts, bench_model.compiled_decoding(wrong)) > 0.5
+
+
+def test_a_row_with_wrong_results_shows_no_speed_or_ratio():
+    def row(impl, rate, **extra):
+        extra = {"ms_per_step": 1000 / rate, **extra}
+        return dict(family="gpt2", section="lowp", case="B=1, 8+6 tokens", impl=impl, rate=rate, extra=extra)
+
+    rows = [
+        row("transformers fp32", 10.0),
+        row(bench_model.TORCHAO, 100.0, wrong="compiled steps' logits off"),
+    ]
+    line = next(
+        x for x in bench_model.summary_figures({"lowp": {"rows": rows}}) if x["label"].startswith("torchao")
+    )
+    assert line["gpt2"] == {"figure": "wrong results", "ratio": None}
+
+
 # --- RESULTS.md and the README: their tables are made from the figures ----------------------------------
 
 RESULTS = Path(bench_model.__file__).parent / "RESULTS.md"
