@@ -761,7 +761,9 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                 error = decoder.compiled_step_error(prompts)
                 accuracy[name]["compiled_step_rel_err"] = error
                 if not error <= WRONG_STEP:
-                    accuracy[name]["wrong"] = f"a compiled step's logits off the eager step's by {error:.2g}x their norm"
+                    accuracy[name]["wrong"] = (
+                        f"a compiled step's logits off the eager step's by {error:.2g}x their norm"
+                    )
                     print(f"[{family} lowp: {name}: {accuracy[name]['wrong']}]", file=sys.stderr)
     fns = {name: (lambda d=decoder: _no_grad(d.greedy, prompts, new)) for name, decoder in variants.items()}
     rows = []
