@@ -33,6 +33,30 @@ def prompts(batch: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+COMMON = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
+def assert_compiled_once(model, inputs: dict[str, torch.Tensor]) -> torch.profiler.profile:
+    """Decode `inputs` eagerly, then twice with the step compiled: one graph without a break, compiled on the
+    first call and never again, the eager tokens both times. Returns the profile of the second call
+    (compiling itself runs the graph on real inputs too)."""
+    eager = model.generate(**inputs, **COMMON)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = model.generate(**inputs, compile_config=compiled_step_config(), **COMMON)
+    # The prompt runs eagerly; the 6 decoding steps after it run the compiled step, traced once.
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["graph_break"]) == {}
+    with torch.profiler.profile() as profile:
+        again = model.generate(**inputs, compile_config=compiled_step_config(), **COMMON)
+    assert counters["stats"]["unique_graphs"] == 1  # no recompilation for a second call
+    assert dict(counters["recompiles"]) == {}
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+    assert "_compiled_call" in vars(model)  # the compiled step really ran
+    return profile
+
+
 # (each case compiles twice, for two batch sizes: the two models alternate between the plain model file
 # and the model with the CPU backend, whose layers step aside under compile)
 @pytest.mark.parametrize("norm, backend", [("pre", "plain"), ("post", "kernelized")])
@@ -40,22 +64,8 @@ def test_compiled_static_cache_decoding_is_one_graph_compiled_once(norm, backend
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm)).eval()
     (unkernelize if backend == "plain" else kernelize)(model)
-    common = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
     for batch in (1, 3):
-        inputs = prompts(batch)
-        eager = model.generate(**inputs, **common)
-        torch._dynamo.reset()
-        counters = torch._dynamo.utils.counters
-        counters.clear()
-        compiled = model.generate(**inputs, compile_config=compiled_step_config(), **common)
-        # The prompt runs eagerly; the 6 decoding steps after it run the compiled step, traced once.
-        assert counters["stats"]["unique_graphs"] == 1
-        assert dict(counters["graph_break"]) == {}
-        again = model.generate(**inputs, compile_config=compiled_step_config(), **common)
-        assert counters["stats"]["unique_graphs"] == 1  # no recompilation for a second call
-        assert dict(counters["recompiles"]) == {}
-        assert torch.equal(compiled, eager) and torch.equal(again, eager)
-        assert "_compiled_call" in vars(model)  # the compiled step really ran
+        assert_compiled_once(model, prompts(batch))
 
 
 # The int8 decoding copy compiles the same way: its fused block operators (`hfgpt::int8_norm_linear`,
@@ -66,22 +76,8 @@ def test_int8_decoding_copy_compiles_to_one_graph_around_its_operators(norm):
     if native.kernel("int8_linear") is None:
         pytest.skip("no C compiler to build the int8 kernel with")
     torch.manual_seed(0)
-    model = GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm)).eval()
-    int8 = quantize_for_decoding(model)
-    common = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
-    inputs = prompts(3)
-    eager = int8.generate(**inputs, **common)
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    compiled = int8.generate(**inputs, compile_config=compiled_step_config(), **common)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert dict(counters["graph_break"]) == {}
-    assert "_compiled_call" in vars(int8)
-    assert torch.equal(compiled, eager)
-    with torch.profiler.profile() as profile:  # (compiling itself runs the graph on real inputs too)
-        again = int8.generate(**inputs, compile_config=compiled_step_config(), **common)
-    assert dict(counters["recompiles"]) == {} and torch.equal(again, eager)
+    int8 = quantize_for_decoding(GPTForCausalLM(GPTConfig(**TINY, layer_norm_position=norm)).eval())
+    profile = assert_compiled_once(int8, prompts(3))
     calls = collections.Counter(event.name for event in profile.events())
     # the prompt (eager) and the 6 compiled steps: each layer's two fused calls, one LM head a step
     steps, layers = 7, TINY["n_layer"]
