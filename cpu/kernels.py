@@ -18,7 +18,7 @@ runs on OpenMP threads of its own.
 """
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -498,11 +498,24 @@ def _(logits: Tensor, lse: Tensor, row_scale: Tensor, targets: Tensor, start: in
 INT8_BLOCK, INT8_TILE = 64, 32
 
 
-def _expect_int8_layer(op: str, packed: Tensor, scale: Tensor, bias: Tensor | None, width: int) -> int:
-    """Check a packed int8 layer for `width` inputs; returns its output count (the scales')."""
-    _expect(op, torch.uint8, packed=packed)
-    _expect(op, torch.float32, scale=scale, bias=bias)
-    _contiguous(op, packed=packed, scale=scale, bias=bias)
+def _all_contiguous(dtype: torch.dtype, tensors: Iterable[Tensor | None]) -> bool:
+    """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: what `_expect` and
+    `_contiguous` check, in one quick pass for the calls a decoding step makes once per layer; where it
+    fails, those name the tensor at fault."""
+    return all(
+        t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()) for t in tensors
+    )
+
+
+def _expect_int8_layer(
+    op: str, packed: Tensor, scale: Tensor, bias: Tensor | None, width: int, types_checked: bool = False
+) -> int:
+    """Check a packed int8 layer for `width` inputs (its dtypes and layout too, unless `types_checked`);
+    returns its output count (the scales')."""
+    if not types_checked:
+        _expect(op, torch.uint8, packed=packed)
+        _expect(op, torch.float32, scale=scale, bias=bias)
+        _contiguous(op, packed=packed, scale=scale, bias=bias)
     out_features = scale.numel()
     expected = (-(-out_features // INT8_TILE), -(-width // INT8_BLOCK) * INT8_BLOCK // 4, INT8_TILE, 4)
     if tuple(packed.shape) != expected:
@@ -559,12 +572,16 @@ def int8_norm_linear(
 ) -> Tensor:
     """A layer norm of the rows of `x` (B, T, in) (skipped without `norm_weight`), then `int8_linear`:
     `Int8Block`'s ln_1 and c_attn in one call (csrc/int8_linear.c)."""
-    _expect("int8_norm_linear", torch.float32, x=x, norm_weight=norm_weight, norm_bias=norm_bias)
-    _contiguous("int8_norm_linear", x=x, norm_weight=norm_weight, norm_bias=norm_bias)
+    checked = _all_contiguous(torch.float32, (x, norm_weight, norm_bias, scale, bias)) and _all_contiguous(
+        torch.uint8, (packed,)
+    )
+    if not checked:
+        _expect("int8_norm_linear", torch.float32, x=x, norm_weight=norm_weight, norm_bias=norm_bias)
+        _contiguous("int8_norm_linear", x=x, norm_weight=norm_weight, norm_bias=norm_bias)
     if x.dim() != 3:
         raise ValueError(f"hfgpt::int8_norm_linear: needs (B, T, in) hidden states, got {tuple(x.shape)}")
     batch, seq_len, width = x.shape
-    out_features = _expect_int8_layer("int8_norm_linear", packed, scale, bias, width)
+    out_features = _expect_int8_layer("int8_norm_linear", packed, scale, bias, width, types_checked=checked)
     for name, norm in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if norm is not None and norm.numel() != width:
             raise ValueError(
@@ -600,18 +617,23 @@ def int8_block_tail(
     attention output (B*T, E), the residual sums with `hidden` (B, T, E), ln_2 and the MLP (c_fc, the tanh
     GELU, c_proj), and GPT-1's post-norms where not `pre_norm`. `norms`: ln_1 and ln_2's weight and bias;
     `layers`: each int8 layer's packed weight and scale (c_proj, c_fc, mlp c_proj); `biases`: their biases."""
-    _expect("int8_block_tail", torch.float32, attention=attention, hidden=hidden)
-    _contiguous("int8_block_tail", attention=attention, hidden=hidden)
     if len(norms) != 4 or len(layers) != 6 or len(biases) != 3:
         raise ValueError("hfgpt::int8_block_tail: needs 4 norm tensors, 3 packed layers and 3 biases")
+    checked = _all_contiguous(
+        torch.float32, (attention, hidden, *norms, *layers[1::2], *biases)
+    ) and _all_contiguous(torch.uint8, layers[0::2])
+    if not checked:
+        _expect("int8_block_tail", torch.float32, attention=attention, hidden=hidden)
+        _contiguous("int8_block_tail", attention=attention, hidden=hidden)
     if hidden.dim() != 3 or attention.numel() != hidden.numel():
         raise ValueError(
             f"hfgpt::int8_block_tail: attention {tuple(attention.shape)} for hidden states {tuple(hidden.shape)}"
         )
     batch, seq_len, width = hidden.shape
     for index, norm in enumerate(norms):
-        _expect("int8_block_tail", torch.float32, **{f"norms[{index}]": norm})
-        _contiguous("int8_block_tail", **{f"norms[{index}]": norm})
+        if not checked:
+            _expect("int8_block_tail", torch.float32, **{f"norms[{index}]": norm})
+            _contiguous("int8_block_tail", **{f"norms[{index}]": norm})
         if norm.numel() != width:
             raise ValueError(
                 f"hfgpt::int8_block_tail: norms[{index}] holds {norm.numel()} values for {width}"
@@ -620,7 +642,7 @@ def int8_block_tail(
     fc = layers[3].numel()
     for index, width_in in enumerate((width, width, fc)):
         out_features = _expect_int8_layer(
-            "int8_block_tail", layers[2 * index], layers[2 * index + 1], biases[index], width_in
+            "int8_block_tail", layers[2 * index], layers[2 * index + 1], biases[index], width_in, checked
         )
         if out_features != (fc if index == 1 else width):
             raise ValueError(f"hfgpt::int8_block_tail: layer {index} has {out_features} outputs")

@@ -3,6 +3,7 @@ of the same arithmetic, each of its instruction-set paths against its portable o
 caching and failure paths."""
 
 import os
+import re
 import shlex
 import shutil
 import warnings
@@ -412,3 +413,48 @@ def test_a_tensor_subclass_that_dispatches_in_python_runs_the_torch_reference():
     layer = _layer(37, 45)
     x = TwoTensor(torch.randn(3, 45), torch.randn(3, 45))
     torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("hidden", "hidden must be a torch.float32 CPU tensor"),
+        ("attention", "attention must be contiguous"),
+        ("norms", "norms[2] must be a torch.float32 CPU tensor"),
+        ("packed", "packed must be a torch.uint8 CPU tensor"),
+        ("scale", "scale must have contiguous rows"),
+        ("bias", "bias must be a torch.float32 CPU tensor"),
+    ],
+)
+def test_the_fused_block_operators_name_the_argument_at_fault(fault, message):
+    """`int8_norm_linear` and `int8_block_tail` check every tensor they read (in one quick pass where all
+    is well); a tensor of another dtype or layout is refused by name, before any C code reads it."""
+    width, inner = 64, 128
+    layers = [
+        _layer(out, inp, seed=out)
+        for out, inp in ((3 * width, width), (width, width), (inner, width), (width, inner))
+    ]
+    hidden, attention = torch.randn(1, 2, width), torch.randn(2, width)
+    norms = [torch.ones(width), torch.zeros(width)] * 2
+    packed = [layer.packed for layer in layers]
+    scales = [layer.scale for layer in layers]
+    biases = [layer.bias for layer in layers]
+    if fault == "hidden":
+        hidden = hidden.double()
+    elif fault == "attention":
+        attention = torch.randn(4, width)[::2]  # rows contiguous, the whole not
+    elif fault == "norms":
+        norms[2] = norms[2].double()
+    elif fault == "packed":
+        packed = [p.to(torch.int8) for p in packed]
+    elif fault == "scale":
+        scales = [torch.randn(2 * s.numel())[::2] for s in scales]
+    else:
+        biases = [b.double() for b in biases]
+    tail = [t for i in (1, 2, 3) for t in (packed[i], scales[i])]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kernels.int8_block_tail(attention, hidden, True, norms, 1e-5, tail, biases[1:])
+    if fault not in ("attention", "norms"):  # (int8_norm_linear reads neither)
+        with pytest.raises(ValueError, match=re.escape(message.replace("hidden", "x"))):
+            kernels.int8_norm_linear(hidden, *norms[:2], 1e-5, packed[0], scales[0], biases[0])
