@@ -88,8 +88,10 @@ COMPILED = "torch.compile"
 TORCHAO = "torchao int8"
 INT8_COMPILED = "hfgpt int8 compiled"
 # A compiled decoding step whose logits are further than this (relative) from the same step run eagerly
-# computes something else: its row says so instead of a speed (`step_error`).
-WRONG_STEP = 0.05
+# computes something else: its row says so instead of a speed (`step_error`). (An int8 copy's step can be a
+# few percent off: another summation order in a float op moves an activation across a rounding boundary
+# of its int8 copy now and then. A step that skips its products is off by orders of magnitude.)
+WRONG_STEP = 0.25
 CTRANSLATE2 = "ctranslate2 int8"
 
 # Sizes per profile. `full` gives the published figures; `quick` trims repeats and decoding length; `tiny`
