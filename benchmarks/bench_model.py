@@ -79,8 +79,7 @@ FAMILIES = ("gpt2", "gpt1")
 SECTIONS = ("prefill", "decode", "lowp", "train", "memory", "compile")
 # Other routes to a fast model, timed as extra contenders (`--peers`): the plain hfgpt model under
 # torch.compile (prefill, train; in lowp, the int8 copy's step compiled), torchao's int8 and CTranslate2's
-# int8 generator (lowp). The last two
-# need `pip install 'hfgpt[bench]'`.
+# int8 generator (lowp). The last two need `pip install 'hfgpt[bench]'`.
 PEERS = ("compile", "torchao", "ctranslate2")
 PEER_PACKAGES = {"torchao": "torchao", "ctranslate2": "ctranslate2"}
 # The contenders' names in the figures (a row's `impl`).
@@ -242,11 +241,12 @@ def step_error(model: nn.Module, prompts: dict[str, torch.Tensor], generate_kwar
     compiled graph can compute something else than the eager model; the speed of a step that does is not
     a figure (torch's `_int_mm` on the CPU returns without computing when inductor hands it a single row
     with stride 0, pytorch/pytorch#195066: what torchao's compiled int8 decoding does)."""
-    common = dict(max_new_tokens=2, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
-    compiled = model.generate(**prompts, **common, do_sample=False, eos_token_id=None, pad_token_id=0)
-    eager = model.generate(
-        **prompts, **common, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True
-    )
+    common = dict(
+        max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+        return_dict_in_generate=True, **generate_kwargs,
+    )  # fmt: skip
+    compiled = model.generate(**prompts, **common)
+    eager = model.generate(**prompts, **common, disable_compile=True)
     step, reference = compiled.logits[1].float(), eager.logits[1].float()
     return ((step - reference).norm() / reference.norm()).item()
 
