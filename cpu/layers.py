@@ -185,6 +185,9 @@ def lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> torch.Tenso
     return ops.project_to_vocab(hidden_states, self)
 
 
+GPTPreTrainedModel.linear_head_forwards.add(lm_head_forward)  # (the fused loss may read its weight)
+
+
 # --- heads --------------------------------------------------------------------------------------------
 
 

@@ -440,6 +440,10 @@ class GPTPreTrainedModel(PreTrainedModel):
     # (hfgpt's CPU layers, `hfgpt.cpu.kernelize`) swaps in faster layers. A checkpoint's copy of this file
     # has none registered, so it computes exactly what is written here.
     post_init_hooks: ClassVar[list[Callable[[nn.Module], None]]] = []
+    # Forward methods such a backend swaps into the LM head (an `nn.Linear`) that compute what
+    # `nn.Linear.forward` computes. The fused training loss reads the head's weight itself, so it still applies
+    # to a head swapped this way: a model built on the CPU keeps the CPU backend's head when moved to a GPU.
+    linear_head_forwards: ClassVar[set[Callable[..., torch.Tensor]]] = set()
 
     def post_init(self) -> None:
         super().post_init()
@@ -738,6 +742,7 @@ class GPTModel(GPTPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
+        positions_given = position_ids is not None  # (packed sequences come as position ids that restart)
         if position_ids is None:
             position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
         hidden_states = inputs_embeds + self.wpe(position_ids)
@@ -746,8 +751,20 @@ class GPTModel(GPTPreTrainedModel):
             hidden_states = hidden_states + self.wte(token_type_ids.reshape(-1, seq_len))
         hidden_states = self.drop(hidden_states)  # (B, T, E)
 
-        # Positional: the cache argument is `past_key_values` before transformers 5.24.
-        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+        if (
+            attention_mask is None
+            and cache is None
+            and not positions_given
+            and self.config._attn_implementation == "sdpa"
+        ):
+            # Every token sees all before it and nothing else: sdpa's own `is_causal=True` (what its sdpa
+            # entry runs for a mask of None), which runs its flash kernels. transformers' `create_causal_mask`
+            # returns None here too, except under torch.compile before torch 2.14, where it builds a
+            # (T, T) mask that sends sdpa to a slower kernel in every compiled training step.
+            causal_mask = None
+        else:
+            # Positional: the cache argument is `past_key_values` before transformers 5.24.
+            causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
         # A checkpointed block runs again in the backward pass and would fill the cache twice: it gets none, as
         # in GPT2Model (transformers' GradientCheckpointingLayer drops a cache passed by its keyword, which
         # 5.24 renamed). Without gradients nothing runs again.
@@ -835,8 +852,10 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
     def _fused_loss_applies(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> bool:
         """Whether the loss runs through `linear_cross_entropy`: in training (train mode, gradients on), with
         transformers' own loss function and every position's logits asked for, and a plain bias-free head
-        (not one a user or accelerate's offloading replaced, nor one whose weight is offloaded)."""
+        (not one whose forward a user or accelerate's offloading replaced, unless by one of
+        `linear_head_forwards`, nor one whose weight is offloaded)."""
         head = self.lm_head
+        swapped = head.__dict__.get("forward")
         return (
             self.training
             and torch.is_grad_enabled()
@@ -845,7 +864,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             and logits_to_keep == 0
             and type(head) is nn.Linear
             and head.bias is None
-            and "forward" not in head.__dict__
+            and (swapped is None or getattr(swapped, "__func__", None) in self.linear_head_forwards)
             and not head.weight.is_meta
         )
 

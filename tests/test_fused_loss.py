@@ -163,6 +163,22 @@ def test_a_custom_loss_function_and_logits_to_keep_take_the_plain_path():
     torch.testing.assert_close(out.loss, out.logits.mean())
 
 
+def test_the_fused_loss_applies_to_a_head_the_cpu_backend_swapped():
+    """A model built on the CPU, as `from_pretrained` builds it, holds the CPU backend's LM head; moved to a
+    GPU, the backend's forward calls the plain `GPTForCausalLM.forward`, which must still fuse the head and
+    its loss (called here directly, on the CPU). A head whose forward a user replaced keeps the plain path."""
+    model = kernelize(plain_model("pre"))
+    assert "forward" in model.lm_head.__dict__  # the backend's head
+    ids = random_ids(2, 8)
+    fused = GPTForCausalLM.forward(model, ids, labels=ids)
+    assert fused.logits is None
+    head = model.lm_head
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden, head.weight)
+    plain = GPTForCausalLM.forward(model, ids, labels=ids)
+    assert plain.logits is not None
+    torch.testing.assert_close(fused.loss, plain.loss, atol=1e-5, rtol=1e-5)
+
+
 # --- compiled training step -------------------------------------------------------------------------------
 
 
@@ -190,6 +206,40 @@ def test_a_training_step_compiles_as_one_graph(backend):
     torch.testing.assert_close(out.loss, eager.loss, atol=1e-5, rtol=1e-5)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def sdpa_calls_when_compiled(model, *args, **kwargs) -> list[dict]:
+    """The keyword arguments (mask and causality) of each `scaled_dot_product_attention` call in the graph
+    that torch.compile traces of `model(*args, **kwargs)`."""
+    calls = []
+
+    def inspecting_backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.target is torch.nn.functional.scaled_dot_product_attention:
+                mask = node.kwargs.get("attn_mask")
+                calls.append({"mask": mask is not None, "is_causal": node.kwargs.get("is_causal")})
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=inspecting_backend, fullgraph=True)(*args, **kwargs)
+    return calls
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_compiled_training_step_leaves_the_causal_mask_to_sdpa(norm):
+    """Without padding, a cache or position ids, sdpa gets no mask tensor but `is_causal=True` under
+    torch.compile as in eager (its flash kernels; transformers' mask builder makes a (T, T) mask there
+    before torch 2.14). With an attention mask, or position ids that may restart (packed sequences), the
+    mask is built as before."""
+    model = plain_model(norm)
+    ids = random_ids(2, 8)
+    calls = sdpa_calls_when_compiled(model, ids, labels=ids)
+    assert calls == [{"mask": False, "is_causal": True}] * TINY["n_layer"]
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0
+    assert all(call["mask"] for call in sdpa_calls_when_compiled(model, ids, attention_mask=padded))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
+    assert all(call["mask"] for call in sdpa_calls_when_compiled(model, ids, position_ids=packed))
 
 
 # --- memory -------------------------------------------------------------------------------------------------
