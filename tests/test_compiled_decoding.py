@@ -48,7 +48,7 @@ def assert_compiled_once(model, inputs: dict[str, torch.Tensor]) -> torch.profil
     # The prompt runs eagerly; the 6 decoding steps after it run the compiled step, traced once.
     assert counters["stats"]["unique_graphs"] == 1
     assert dict(counters["graph_break"]) == {}
-    with torch.profiler.profile() as profile:
+    with torch.profiler.profile(acc_events=True) as profile:  # (every step's events, not the last one's)
         again = model.generate(**inputs, compile_config=compiled_step_config(), **COMMON)
     assert counters["stats"]["unique_graphs"] == 1  # no recompilation for a second call
     assert dict(counters["recompiles"]) == {}

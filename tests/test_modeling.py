@@ -53,9 +53,9 @@ NORMS = ["pre", "post"]
 
 def peer_config(norm: str, **extra) -> transformers.PretrainedConfig:
     if norm == "pre":
-        return transformers.GPT2Config(**TINY, **extra)
+        return transformers.GPT2Config(**{**TINY, **extra})
     # transformers' OpenAIGPT calls the tanh GELU "gelu".
-    return transformers.OpenAIGPTConfig(**TINY, afn="gelu", **extra)
+    return transformers.OpenAIGPTConfig(**{**TINY, "afn": "gelu", **extra})
 
 
 def make_pair(head: type, norm: str, attn: str = "sdpa", **extra):
@@ -73,7 +73,7 @@ def make_pair(head: type, norm: str, attn: str = "sdpa", **extra):
         for k, v in peer.state_dict().items()
     }
     state = {k: v for k, v in state.items() if not k.endswith(".attn.bias")}  # OpenAIGPT's mask buffer
-    ours = head(GPTConfig(**TINY, layer_norm_position=norm, attn_implementation=attn, **extra)).eval()
+    ours = head(GPTConfig(**{**TINY, **extra}, layer_norm_position=norm, attn_implementation=attn)).eval()
     missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return peer, ours
