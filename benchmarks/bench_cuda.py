@@ -379,6 +379,7 @@ class Context:
     rows: list[Row] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    checkpoint: Callable[[], None] = field(default=lambda: None)  # writes the rows so far (`run`)
 
     @property
     def cuda(self) -> bool:
@@ -400,6 +401,7 @@ class Context:
             message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             self.errors.append({"what": what, "error": message[:500]})
             print(f"[error in {what}: {message[:300]}]", file=sys.stderr)
+            self.checkpoint()
             free_memory(self.device)
             return None
 
@@ -494,6 +496,7 @@ def train_rows(ctx: Context, preset: str) -> None:
                     ctx.rows.append(
                         train_row(ctx, preset, case, contender, timings[name], batch * seq_len, flops)
                     )
+            ctx.checkpoint()
         del built
         free_memory(ctx.device)
         torch.compiler.reset()
@@ -578,6 +581,7 @@ def budget_rows(ctx: Context, preset: str) -> None:
                 },
             )
         )
+        ctx.checkpoint()
 
 
 def largest_fitting(fits: Callable[[int], bool], first: int, most: int, step: int) -> int:
@@ -685,6 +689,7 @@ def decode_rows(ctx: Context, preset: str) -> None:
                 continue
             synchronize(ctx.device)
             first_s[name], tokens[name], runs[name] = time.perf_counter() - start, out, run
+            print(f"[{what}: first call {first_s[name]:.1f}s]", file=sys.stderr)
         if not runs:
             continue
         slow = {f"{TRANSFORMERS} {DYNAMIC}": profile["slow_repeats"]} if not has_cache else None
@@ -728,6 +733,7 @@ def decode_rows(ctx: Context, preset: str) -> None:
                     },
                 )
             )
+        ctx.checkpoint()
         del runs, tokens
     for (impl, kind), model in models.items():
         if kind == CONTINUOUS and hasattr(model, "destroy_cached_continuous_batching_manager"):
@@ -847,8 +853,8 @@ def run(
     time_budget_s: float | None = None,
     json_dir: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Run the sections; returns one report per section (what `json_dir` receives, each file written as
-    soon as its section ends)."""
+    """Run the sections; returns one report per section (what `json_dir` receives: each file rewritten as
+    its measurements end, and complete when its section ends)."""
     hf_logging.set_verbosity_error()
     started = datetime.datetime.now(datetime.timezone.utc)
     profile = PROFILES[profile_name]
@@ -865,10 +871,45 @@ def run(
         memory_budget_gib=memory_budget_gib,
         deadline=time.perf_counter() + (time_budget_s if time_budget_s is not None else math.inf),
     )
+    settings = {
+        "compile": compile,
+        "memory_budget_gib": memory_budget_gib,
+        "time_budget_s": time_budget_s,
+        **{
+            k: v
+            for k, v in profile.items()
+            if k.startswith(("train", "seq", "decode", "prompt", "new", "budget"))
+        },
+        "model_overrides": profile["model_overrides"],
+        "hfgpt_cpu_backend": "as built (it steps aside on CUDA); taken out for continuous batching",
+        "mfu_formula": train_flops.__doc__.split("\n\n")[0].split(": ", 1)[1],
+    }
     reports = {}
     for section in sections:
         ctx.rows, ctx.errors, ctx.skipped = [], [], []
         start = time.perf_counter()
+
+        def report(complete: bool, section: str = section, start: float = start) -> dict[str, Any]:
+            return {
+                "section": section,
+                "started": started.isoformat(timespec="seconds"),
+                "date": started.date().isoformat(),
+                "profile": profile_name,
+                "complete": complete,
+                "machine": machine(device),
+                "settings": settings,
+                "hardware": dict(hardware),
+                "section_s": time.perf_counter() - start,
+                "rows": [asdict(r) for r in ctx.rows],
+                "errors": ctx.errors,
+                "skipped": ctx.skipped,
+            }
+
+        if json_dir is not None:
+            # The rows so far, written as each measurement ends: a run stopped from outside (a lent GPU's
+            # time limit) still leaves what it measured, marked "complete": false.
+            path = figures_path(json_dir, device, section)
+            ctx.checkpoint = lambda report=report, path=path: write_json(path, report(False))
         if section == "train":
             for preset in profile["train_models"]:
                 train_rows(ctx, preset)
@@ -881,37 +922,13 @@ def run(
         for key, value in again.items():
             hardware[key] = max(hardware[key], value)
         _rescale(ctx.rows, hardware)
-        reports[section] = {
-            "section": section,
-            "started": started.isoformat(timespec="seconds"),
-            "date": started.date().isoformat(),
-            "profile": profile_name,
-            "machine": machine(device),
-            "settings": {
-                "compile": compile,
-                "memory_budget_gib": memory_budget_gib,
-                "time_budget_s": time_budget_s,
-                **{
-                    k: v
-                    for k, v in profile.items()
-                    if k.startswith(("train", "seq", "decode", "prompt", "new", "budget"))
-                },
-                "model_overrides": profile["model_overrides"],
-                "hfgpt_cpu_backend": "as built (it steps aside on CUDA); taken out for continuous batching",
-                "mfu_formula": train_flops.__doc__.split("\n\n")[0].split(": ", 1)[1],
-            },
-            "hardware": dict(hardware),
-            "section_s": time.perf_counter() - start,
-            "rows": [asdict(r) for r in ctx.rows],
-            "errors": ctx.errors,
-            "skipped": ctx.skipped,
-        }
+        reports[section] = report(True)
         reports[section]["checks"] = claims(reports[section])
         print(f"[{section}: {reports[section]['section_s']:.0f}s]", file=sys.stderr)
         if json_dir is not None:
-            path = figures_path(json_dir, device, section)
             write_json(path, reports[section])
             print(f"wrote {path}", file=sys.stderr)
+        ctx.checkpoint = lambda: None
     return reports
 
 
@@ -1073,9 +1090,10 @@ def _ms(row: dict | None) -> str:
     return "-" if row is None else f"{row['extra']['ms_per_token_step']:.2f}"
 
 
-def gpu_table(figures: dict[str, dict[str, Any]]) -> str:
+def gpu_table(figures: dict[str, dict[str, Any]], claims: bool = True) -> str:
     """The README's "Speed on a GPU": from the figures files, the run they come from, the training and
-    decoding rows of hfgpt beside transformers (and the reference), and the issues' claims checked."""
+    decoding rows of hfgpt beside transformers (and the reference), and (`claims`, printed after a run but
+    left out of the README) the issues' claims checked."""
     if not figures:
         return NO_RUN_YET
     lines = []
@@ -1086,6 +1104,11 @@ def gpu_table(figures: dict[str, dict[str, Any]]) -> str:
             f"profile `{report['profile']}`, {m['gpu'] or m['device']}, torch {m['torch']}, transformers "
             f"{m['transformers']}; measured bf16 matmul {hw['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
             f"read {hw['read_bytes_per_s'] / 1e9:.0f} GB/s."
+            + (
+                ""
+                if report.get("complete", True)
+                else " Stopped before the section's end: the rows it measured."
+            )
         )
     lines.append("")
     if "train" in figures:
@@ -1140,7 +1163,7 @@ def gpu_table(figures: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {model}, {case} | {floor:.2f} | " + " | ".join(cells) + " |")
         lines.append("")
     checks = [c for report in figures.values() for c in report.get("checks", [])]
-    if checks:
+    if checks and claims:
         held = [c for c in checks if c["holds"]]
         lines.append(
             f"Claims of the issues that hold: {len(held)} of {len(checks)} ("
@@ -1164,7 +1187,7 @@ def update_docs(directory: Path = FIGURES_DIR, readme: Path = FIGURES_DIR.parent
     """Remake the README's "Speed on a GPU" region from the figures files of `directory`."""
     text = readme.read_text()
     marked_region(text, README_GPU_TABLE)  # (refuses a README without the region)
-    readme.write_text(with_region(text, README_GPU_TABLE, gpu_table(load_figures(directory))))
+    readme.write_text(with_region(text, README_GPU_TABLE, gpu_table(load_figures(directory), claims=False)))
     return readme
 
 

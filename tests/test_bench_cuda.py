@@ -34,7 +34,7 @@ def tiny_reports(tmp_path_factory):
 
 def test_training_rows_have_every_eager_contender_and_sane_figures(tiny_reports):
     report = tiny_reports[0]["train"]
-    assert report["errors"] == [] and report["skipped"] == []
+    assert report["errors"] == [] and report["skipped"] == [] and report["complete"] is True
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["transformers"]
     assert report["date"] and report["settings"]["mfu_formula"]
     timed = [r for r in report["rows"] if r["median_s"] is not None]
@@ -176,7 +176,8 @@ def test_update_docs_writes_the_table_from_the_figures(tiny_reports, tmp_path):
     assert "| training step, bf16 autocast: ms, MFU, peak GiB | hfgpt eager | transformers eager |" in text
     assert "| GPT-2 124M, B=1, 6+6 tokens, bf16 weights |" not in text  # (8 prompt tokens in tiny)
     assert "| GPT-2 124M, B=1, 8+6 tokens, bf16 weights |" in text and "| GPT-1, B=3, 8+6 tokens" in text
-    assert "largest batch x32 in 40 GiB" in text and "Claims of the issues that hold:" in text
+    assert "largest batch x32 in 40 GiB" in text and "Claims of the issues" not in text  # (printed only)
+    assert "Claims of the issues that hold:" in bench_cuda.gpu_table(bench_cuda.load_figures(cuda_dir))
     # Without figures the region says so, and invents nothing.
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -187,7 +188,7 @@ def test_update_docs_writes_the_table_from_the_figures(tiny_reports, tmp_path):
 def test_readme_has_the_gpu_region_made_from_the_committed_figures():
     text = (ROOT / "README.md").read_text()
     first, last = bench_cuda.marked_region(text, bench_cuda.README_GPU_TABLE)
-    assert text[first:last].strip() == bench_cuda.gpu_table(bench_cuda.load_figures()), (
+    assert text[first:last].strip() == bench_cuda.gpu_table(bench_cuda.load_figures(), claims=False), (
         "stale table: run python benchmarks/bench_cuda.py --update-docs"
     )
 
@@ -196,3 +197,61 @@ def test_cuda_is_refused_where_there_is_none(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_cuda.main(["--tiny"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_run_stopped_mid_section_leaves_the_rows_it_measured(tmp_path, monkeypatch):
+    """A lent GPU's time limit kills the run from outside: the figures file already holds the rows measured
+    so far, marked incomplete, and the README's table says so."""
+
+    def killed(ctx, preset):
+        raise KeyboardInterrupt  # (what a run stopped between its training rows and the budget search sees)
+
+    monkeypatch.setattr(bench_cuda, "budget_rows", killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench_cuda.main(
+            ["--tiny", "--device", "cpu", "--no-compile", "--sections", "train", "--json-dir", str(tmp_path)]
+        )
+    report = json.loads(bench_cuda.figures_path(tmp_path, "cpu", "train").read_text())
+    assert report["complete"] is False
+    assert {(r["impl"], r["mode"]) for r in report["rows"]} == {
+        ("hfgpt", "eager"),
+        ("transformers", "eager"),
+        ("reference", "eager"),
+    }
+    assert "Stopped before the section's end" in bench_cuda.gpu_table({"train": report})
+
+
+def test_the_profile_script_times_each_contender_kernel_by_kernel(tmp_path):
+    import profile_cuda  # benchmarks/profile_cuda.py
+
+    argv = ["--tiny", "--device", "cpu", "--no-compile", "--repeats", "2", "--json-dir", str(tmp_path)]
+    assert profile_cuda.main(argv) == 0
+    report = json.loads((tmp_path / "profile-cpu-training.json").read_text())
+    assert set(report["contenders"]) == set(profile_cuda.CONTENDERS)
+    for contender in report["contenders"].values():
+        assert contender["step_ms_median"] > 0 and contender["top_kernels"]
+        kinds = contender["by_kind_ms_per_step"]
+        assert sum(kinds.values()) == pytest.approx(contender["device_ms_per_step"])
+    assert profile_cuda.main(["--contenders", "hfgpt,nobody", "--json-dir", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [  # kernel names from a compiled GPT-2 training step on an H200
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_NNT", "matrix products"),
+        (
+            "triton_red_fused__log_softmax__to_copy__unsafe_view_mm_prepare_softmax_online_view_21",
+            "cross-entropy",
+        ),
+        (
+            "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>",
+            "optimizer",
+        ),
+        ("triton_poi_fused_gelu_gelu_backward_view_8", "elementwise and other"),
+    ],
+)
+def test_the_profile_sorts_kernels_by_kind(name, kind):
+    import profile_cuda
+
+    assert profile_cuda.kind_of(name) == kind

@@ -443,6 +443,7 @@ OTHER_FIGURES = {
     "step-breakdown-gpt2.json",  # step_breakdown.py
     "figures-cuda-training.json",  # bench_cuda.py (a GPU run)
     "figures-cuda-decoding.json",  # bench_cuda.py (a GPU run)
+    "profile-cuda-training.json",  # profile_cuda.py (a GPU run)
 }
 
 

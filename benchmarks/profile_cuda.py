@@ -1,0 +1,175 @@
+"""Where a training step's GPU time goes, kernel by kernel: hfgpt beside the plain-PyTorch reference GPT-2
+and transformers' GPT-2, on the same weights, each compiled (or eager with `--no-compile`), in bfloat16
+autocast with fused AdamW, as `bench_cuda.py`'s training rows run them.
+
+For each contender: the step's median time (CUDA events around whole steps), then the profiler's device
+time of a few steps, per kernel and per kind of kernel (matrix products, attention, the optimizer, the
+rest: mostly inductor's fused elementwise kernels), per step. `hfgpt (mask tensor)` is hfgpt given an
+all-ones attention mask: the causal mask as a tensor, which is what a compiled step built before hfgpt
+passed sdpa `is_causal` itself.
+
+    python benchmarks/profile_cuda.py --json-dir benchmarks          # GPT-2 124M, 16 x 1024, on CUDA
+    python benchmarks/profile_cuda.py --tiny --device cpu --no-compile --json-dir /tmp  # the smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_cuda import (
+    HFGPT,
+    PROFILES,
+    REFERENCE,
+    TRANSFORMERS,
+    build_contender,
+    free_memory,
+    gpt_config,
+    loss_of,
+    machine,
+    synchronize,
+    transformers_model,
+)
+from bench_model import write_json
+from torch.profiler import ProfilerActivity, profile
+
+MASKED = "hfgpt (mask tensor)"
+CONTENDERS = (HFGPT, REFERENCE, TRANSFORMERS, MASKED)
+# Kinds of kernel, by name: the first pattern that matches names the kind.
+KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
+    ("matrix products", re.compile(r"gemm|cutlass|xmma|nvjet|sm90|wgmma|matmul|addmm|\bmm\b|bmm", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("cross-entropy", re.compile(r"log_softmax|nll_loss|cross_entropy|logsumexp", re.I)),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "elementwise and other")
+
+
+def make_step(impl: str, config: Any, state: dict, ids: torch.Tensor, device: str, compile: bool) -> tuple:
+    model = build_contender(HFGPT if impl == MASKED else impl, config, state).to(device).train()
+    run = torch.compile(model) if compile else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
+    mask = torch.ones_like(ids) if impl == MASKED else None
+
+    def step() -> None:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            if mask is None:
+                loss = loss_of(run, ids)
+            else:
+                loss = run(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, (model, run, optimizer)
+
+
+def step_times(step: Callable[[], None], device: str, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def kernel_table(step: Callable[[], None], device: str, steps: int) -> dict[str, Any]:
+    """The device time (CPU time without CUDA) of `steps` steps under the profiler, per kernel and per
+    kind, divided by `steps`."""
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and event.cpu_parent is not None:  # (top-level CPU ops only, not their children)
+            continue
+        duration = event.time_range.elapsed_us() if cuda else event.cpu_time_total
+        per_kernel[event.name][0] += duration / 1000 / steps  # us -> ms a step
+        per_kernel[event.name][1] += 1
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in per_kernel.items():
+        kinds[kind_of(name)] += ms
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "device_ms_per_step": sum(ms for ms, _ in per_kernel.values()),
+        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
+        "by_kind_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {"name": name[:160], "ms_per_step": ms, "calls_per_step": n / steps} for name, (ms, n) in top
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt2", help="a preset: gpt2 (default), gpt2-medium, ...")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--tiny", action="store_true", help="bench_cuda's tiny sizes (the smoke run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps (after 3 untimed)")
+    parser.add_argument("--json-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    contenders = [c for c in args.contenders.split(",") if c]
+    if bad := [c for c in contenders if c not in CONTENDERS]:
+        print(f"error: unknown contender {bad[0]!r}; choose from {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: no CUDA device here (--device cpu --tiny for the smoke run)", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    profile_name = "tiny" if args.tiny else "full"
+    overrides = PROFILES[profile_name]["model_overrides"]
+    batch = PROFILES["tiny"]["train_batch"] if args.tiny else args.batch
+    config = gpt_config(args.model, overrides, args.dropout)
+    seq_len = PROFILES["tiny"]["seq_len"] if args.tiny else config.n_positions
+    state = {k: v.clone() for k, v in transformers_model(config).state_dict().items()}
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(args.device)
+    report: dict[str, Any] = {
+        "what": f"{args.model} training step, B={batch}x{seq_len}, bf16 autocast, dropout {args.dropout:g}, "
+        + ("eager" if args.no_compile else "torch.compile"),
+        "machine": machine(args.device),
+        "contenders": {},
+    }
+    for impl in contenders:
+        step, keep = make_step(impl, config, state, ids, args.device, not args.no_compile)
+        for _ in range(3):
+            step()
+        times = step_times(step, args.device, args.repeats)
+        table = kernel_table(step, args.device, steps=3)
+        report["contenders"][impl] = {"step_ms_median": 1000 * statistics.median(times), **table}
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in table["by_kind_ms_per_step"].items())
+        print(f"{impl}: {1000 * statistics.median(times):.2f} ms a step; device ms a step: {kinds}")
+        del step, keep
+        free_memory(args.device)
+        torch.compiler.reset()
+    path = args.json_dir / f"profile-{args.device.split(':')[0]}-training.json"
+    write_json(path, report)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
