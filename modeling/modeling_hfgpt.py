@@ -368,10 +368,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = (rows @ low_weight.T).to(exact)  # (C, V)
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             loss = loss + ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
-            # d loss / d logits = (softmax - onehot) / divisor on counted rows, 0 elsewhere; in place, so that
-            # one slice of logits is all the memory this takes
-            grad = logits.sub_(lse).exp_().scatter_add_(1, target, counted[:, None].to(exact).neg())
-            grad = grad.mul_(counted[:, None] / divisor).to(dtype)
+            # d loss / d logits = (softmax - onehot) / divisor on counted rows, 0 elsewhere
+            scale = counted[:, None] / divisor
+            if torch.compiler.is_compiling():
+                # the one-hot as a comparison: one fused pass over the slice (a scatter would split it in two)
+                onehot = torch.arange(logits.shape[1], device=logits.device) == target
+                grad = ((logits - lse).exp() - onehot.to(exact)) * scale
+            else:
+                # in place, so that one slice of logits is all the memory this takes
+                grad = logits.sub_(lse).exp_().scatter_add_(1, target, counted[:, None].to(exact).neg())
+                grad = grad.mul_(scale)
+            grad = grad.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_rows] = grad @ low_weight
             if grad_weight is not None:

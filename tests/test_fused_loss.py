@@ -139,6 +139,27 @@ def test_the_fused_loss_under_bfloat16_autocast_stays_close_to_the_plain_one(sma
         torch.testing.assert_close(fused_grads[name], grad, atol=2e-2, rtol=5e-2, msg=name)
 
 
+def test_the_compiled_fused_loss_equals_the_eager_one(small_chunks):
+    """Under torch.compile the softmax's gradient takes its one-pass form (the one-hot as a comparison, not
+    a scatter): the loss and gradients of the eager in-place form, ignored labels and a short last slice
+    included."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 13, 16, requires_grad=True)
+    weight = torch.randn(TINY["vocab_size"], 16, requires_grad=True)
+    labels = torch.randint(0, TINY["vocab_size"], (2, 13))
+    labels[0, :4] = -100
+    eager = linear_cross_entropy(hidden, weight, labels)
+    eager.backward()
+    expected = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_cross_entropy, fullgraph=True)(hidden, weight, labels)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hidden.grad, expected[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weight.grad, expected[1], atol=1e-6, rtol=1e-6)
+
+
 def test_the_fused_loss_with_a_frozen_head_gives_no_weight_gradient():
     model = plain_model("pre")
     model.transformer.wte.weight.requires_grad_(False)
