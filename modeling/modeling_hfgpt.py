@@ -334,7 +334,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """The causal-LM loss of a bias-free head, `sum(CE(hidden @ weight.T, targets)) / divisor` over the rows
     whose target is not `ignore_index`, without the N x V logits ever existing at once.
 
-    The forward pass takes `chunk_rows` rows at a time: their logits, log-sum-exp and loss, then right away
+    The forward pass takes `chunk_rows` rows at a time: their logits, log-softmax and loss, then right away
     the gradient of that loss, softmax - onehot, through the head's two products into the gradients of the
     hidden states (N x E) and of the weight (V x E), which it keeps; the backward pass scales them by the
     loss's gradient. The same products as `F.linear`, `F.cross_entropy` and their backward, in the same
@@ -365,18 +365,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             chunk_targets = targets[start : start + chunk_rows]
             counted = chunk_targets != ignore_index
             target = torch.where(counted, chunk_targets, 0)[:, None]
-            logits = (rows @ low_weight.T).to(exact)  # (C, V)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            loss = loss + ((lse - logits.gather(1, target)).squeeze(1) * counted).sum()
+            log_probs = torch.log_softmax(rows @ low_weight.T, dim=-1, dtype=exact)  # (C, V)
+            loss = loss - (log_probs.gather(1, target).squeeze(1) * counted).sum()
             # d loss / d logits = (softmax - onehot) / divisor on counted rows, 0 elsewhere
             scale = counted[:, None] / divisor
             if torch.compiler.is_compiling():
                 # the one-hot as a comparison: one fused pass over the slice (a scatter would split it in two)
-                onehot = torch.arange(logits.shape[1], device=logits.device) == target
-                grad = ((logits - lse).exp() - onehot.to(exact)) * scale
+                onehot = torch.arange(log_probs.shape[1], device=log_probs.device) == target
+                grad = (log_probs.exp() - onehot.to(exact)) * scale
             else:
                 # in place, so that one slice of logits is all the memory this takes
-                grad = logits.sub_(lse).exp_().scatter_add_(1, target, counted[:, None].to(exact).neg())
+                grad = log_probs.exp_().scatter_add_(1, target, counted[:, None].to(exact).neg())
                 grad = grad.mul_(scale)
             grad = grad.to(dtype)
             if grad_hidden is not None:
