@@ -881,7 +881,7 @@ def run(
             if k.startswith(("train", "seq", "decode", "prompt", "new", "budget"))
         },
         "model_overrides": profile["model_overrides"],
-        "hfgpt_cpu_backend": "as built (it steps aside on CUDA); taken out for continuous batching",
+        "hfgpt_cpu_backend": "as built (it steps aside on CUDA, and takes itself out of a causal LM at its first forward there); taken out for continuous batching",
         "mfu_formula": train_flops.__doc__.split("\n\n")[0].split(": ", 1)[1],
     }
     reports = {}

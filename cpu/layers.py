@@ -237,11 +237,17 @@ def causal_lm_forward(
 ) -> CausalLMOutputWithPast | tuple:
     """`GPTForCausalLM.forward`; with labels (and transformers' own loss function), the head and the loss
     computed together by `ops.lm_logits_and_loss`. On the CPU, a plain `DynamicCache` it is given appends
-    without copying the cache (`hfgpt.cpu.cache.grow_in_place`)."""
+    without copying the cache (`hfgpt.cpu.cache.grow_in_place`). Off the CPU, the plain forward, once the
+    backend has taken itself out of the model (`unkernelize`)."""
     plain = functools.partial(GPTForCausalLM.forward, self)
     on_cpu = self.transformer.wte.weight.device.type == "cpu"
     if on_cpu:
         grow_in_place(cache if cache is not None else kwargs.get("past_key_values"))
+    elif not torch.compiler.is_compiling():
+        # The model lives on another device (a GPU), where every layer of the backend would step aside call
+        # by call: it takes itself out, so that it costs nothing there from now on (a compiled decoding step
+        # then traces and guards the plain model). `kernelize(model)` puts it back.
+        unkernelize(self)
     if (
         labels is None
         or getattr(self, "_loss_function", None) is not None

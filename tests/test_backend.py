@@ -167,6 +167,21 @@ def test_a_kernelized_model_off_float32_computes_the_plain_model():
         assert torch.equal(model(ids).logits, plain(ids).logits)
 
 
+def test_the_backend_takes_itself_out_of_a_causal_lm_moved_off_the_cpu():
+    """A model built on the CPU and moved to another device (a GPU; the meta device here) runs the plain
+    model from its first forward there, the backend gone from every layer so that it costs nothing per call,
+    until `kernelize` puts it back. Under compilation it only steps aside (no module changes while traced)."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    assert is_kernelized(model)
+    model.to("meta")
+    with torch.no_grad():
+        out = model(torch.zeros(1, 5, dtype=torch.long, device="meta"), use_cache=False)
+    assert out.logits.shape == (1, 5, TINY["vocab_size"]) and out.logits.is_meta
+    assert not is_kernelized(model) and instance_methods(model) == []
+    assert is_kernelized(kernelize(model))
+
+
 def test_a_kernelized_model_saves_the_plain_code_and_reloads_kernelized(tmp_path):
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY)).eval()

@@ -36,14 +36,17 @@ def test_logits_and_classifier_scores_equal_transformers_on_cuda(norm, attn):
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_the_cpu_backend_leaves_a_cuda_model_plain(norm):
-    """`kernelize` on a CUDA model computes the plain model: the same logits as before it."""
+    """A model built on the CPU (kernelized) and moved to CUDA computes the plain model, and the backend
+    takes itself out at its first forward there; `kernelize` on the CUDA model puts it back, with the same
+    logits."""
     _, ours = on_cuda(GPTForCausalLM, norm)
     ids = random_ids().to(CUDA)
     with torch.no_grad():
         before = ours(ids).logits
+        assert not is_kernelized(ours)
         kernelize(ours)
+        assert is_kernelized(ours)
         after = ours(ids).logits
-    assert is_kernelized(ours)
     torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)
 
 
