@@ -310,9 +310,13 @@ def auxiliary_lm_loss(
 
 def train_forward(self: GPTPreTrainedModel, mode: bool = True) -> GPTPreTrainedModel:
     """`nn.Module.train`; switching to evaluation (`eval()`) also frees the memory kept for the tied LM
-    head's logits and gradient between training steps (`ops.HeadBuffers`)."""
+    head's logits and gradient between training steps (`ops.HeadBuffers`). On a model that lives off the
+    CPU (`Trainer` calls `train()` once the model is on its GPU), the backend takes itself out first, as
+    `causal_lm_forward` does."""
     if not mode:
         self.__dict__.pop("_head_buffers", None)
+    if self.device.type != "cpu" and not torch.compiler.is_compiling():
+        unkernelize(self)
     return nn.Module.train(self, mode)
 
 

@@ -167,7 +167,7 @@ def test_a_kernelized_model_off_float32_computes_the_plain_model():
         assert torch.equal(model(ids).logits, plain(ids).logits)
 
 
-def test_the_backend_takes_itself_out_of_a_causal_lm_moved_off_the_cpu():
+def test_the_backend_takes_itself_out_of_a_model_moved_off_the_cpu():
     """A model built on the CPU and moved to another device (a GPU; the meta device here) runs the plain
     model from its first forward there, the backend gone from every layer so that it costs nothing per call,
     until `kernelize` puts it back. Under compilation it only steps aside (no module changes while traced)."""
@@ -180,6 +180,12 @@ def test_the_backend_takes_itself_out_of_a_causal_lm_moved_off_the_cpu():
     assert out.logits.shape == (1, 5, TINY["vocab_size"]) and out.logits.is_meta
     assert not is_kernelized(model) and instance_methods(model) == []
     assert is_kernelized(kernelize(model))
+    # Any head: train() on a model off the CPU (what Trainer calls once the model is on its GPU)
+    classifier = GPTForSequenceClassification(GPTConfig(**TINY)).to("meta")
+    assert is_kernelized(classifier)
+    classifier.train()
+    assert not is_kernelized(classifier) and classifier.training
+    assert is_kernelized(GPTForSequenceClassification(GPTConfig(**TINY)).train())  # on the CPU it stays
 
 
 def test_a_kernelized_model_saves_the_plain_code_and_reloads_kernelized(tmp_path):
