@@ -1191,6 +1191,16 @@ def update_docs(directory: Path = FIGURES_DIR, readme: Path = FIGURES_DIR.parent
     return readme
 
 
+def argument_refusal(device: str, chosen: tuple[str, ...], allowed: tuple[str, ...], what: str) -> str | None:
+    """The error line for a command line that names an unknown `what` (section, contender) or CUDA where
+    there is none (also for profile_cuda.py); None where it is fine."""
+    if bad := [c for c in chosen if c not in allowed]:
+        return f"error: unknown {what} {bad[0]!r}; choose from {', '.join(allowed)}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "error: no CUDA device here; --device cpu runs the smoke run (with --tiny)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -1222,11 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {update_docs(args.json_dir)}", file=sys.stderr)
         return 0
     sections = tuple(s for s in args.sections.split(",") if s)
-    if bad := [s for s in sections if s not in SECTIONS]:
-        print(f"error: unknown section {bad[0]!r}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
-        return 2
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: no CUDA device here; --device cpu runs the smoke run (with --tiny)", file=sys.stderr)
+    if refusal := argument_refusal(args.device, sections, SECTIONS, "section"):
+        print(refusal, file=sys.stderr)
         return 2
     if not args.json_dir.is_dir():
         print(f"error: --json-dir {args.json_dir} is not an existing folder", file=sys.stderr)

@@ -30,6 +30,7 @@ from bench_cuda import (
     PROFILES,
     REFERENCE,
     TRANSFORMERS,
+    argument_refusal,
     build_contender,
     free_memory,
     gpt_config,
@@ -130,12 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="timed steps (after 3 untimed)")
     parser.add_argument("--json-dir", type=Path, required=True)
     args = parser.parse_args(argv)
-    contenders = [c for c in args.contenders.split(",") if c]
-    if bad := [c for c in contenders if c not in CONTENDERS]:
-        print(f"error: unknown contender {bad[0]!r}; choose from {', '.join(CONTENDERS)}", file=sys.stderr)
-        return 2
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: no CUDA device here (--device cpu --tiny for the smoke run)", file=sys.stderr)
+    contenders = tuple(c for c in args.contenders.split(",") if c)
+    if refusal := argument_refusal(args.device, contenders, CONTENDERS, "contender"):
+        print(refusal, file=sys.stderr)
         return 2
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
