@@ -246,7 +246,7 @@ def causal_lm_forward(
     elif not torch.compiler.is_compiling():
         # The model lives on another device (a GPU), where every layer of the backend would step aside call
         # by call: it takes itself out, so that it costs nothing there from now on (a compiled decoding step
-        # then traces and guards the plain model). `kernelize(model)` puts it back.
+        # then traces and guards the plain model). Moved back to the CPU, `kernelize(model)` puts it back.
         unkernelize(self)
     if (
         labels is None
