@@ -288,11 +288,41 @@ def build_contender(impl: str, config: GPTConfig, state: dict[str, torch.Tensor]
     return reference
 
 
-def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The training loss of `model` (or of its `torch.compile` wrapper) on `ids` as inputs and labels."""
+def loss_of(model: nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The training loss of `model` (or of its `torch.compile` wrapper) on `ids` as inputs and labels (with
+    `attention_mask`, which the reference, always causal and unpadded, does not take)."""
     if isinstance(getattr(model, "_orig_mod", model), ReferenceGPT2):
+        if attention_mask is not None:
+            raise ValueError("the reference GPT-2 takes no attention mask")
         return model(ids, ids)
-    return model(input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+
+
+def training_step(
+    impl: str,
+    config: GPTConfig,
+    state: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    device: str,
+    compiled: bool,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[Callable[[], torch.Tensor], tuple[Any, ...]]:
+    """`impl` built on `device` in train mode (compiled or not) with its AdamW (fused on CUDA): its training
+    step (forward in bf16 autocast, backward, optimizer step; returns the loss, unsynchronised), and the
+    objects the step needs kept alive (model, compiled wrapper, optimizer)."""
+    model = build_contender(impl, config, state).to(device).train()
+    run = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
+
+    def step() -> torch.Tensor:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            loss = loss_of(run, ids, attention_mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step, (model, run, optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -415,7 +445,7 @@ class TrainContender:
     name: str  # "<impl> <mode>"
     impl: str
     mode: str
-    step: Callable[[], None]
+    step: Callable[[], torch.Tensor]  # (returns the loss)
     first_step_s: float
     peak_bytes: int | None
     loss: float
@@ -430,22 +460,9 @@ def make_train_contender(
     of them measured for the contender's peak memory above what was allocated before it was built."""
     free_memory(ctx.device)
     before = allocated(ctx.device)
-    model = build_contender(impl, config, state).to(ctx.device).train()
-    run = torch.compile(model) if mode == COMPILED else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ctx.cuda)
-    losses: list[float] = []
-
-    def step(record: bool = False) -> None:
-        with torch.autocast(torch.device(ctx.device).type, dtype=torch.bfloat16):
-            loss = loss_of(run, ids)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if record:
-            losses.append(loss.item())
-
+    step, keep = training_step(impl, config, state, ids, ctx.device, mode == COMPILED)
     start = time.perf_counter()
-    step(record=True)
+    first_loss = step().item()
     synchronize(ctx.device)
     first = time.perf_counter() - start
     for _ in range(ctx.profile["train_warmup"] - 1):
@@ -455,7 +472,7 @@ def make_train_contender(
     step()
     synchronize(ctx.device)
     peak = torch.cuda.max_memory_allocated() - before if ctx.cuda else None
-    return TrainContender(f"{impl} {mode}", impl, mode, step, first, peak, losses[0], (model, run, optimizer))
+    return TrainContender(f"{impl} {mode}", impl, mode, step, first, peak, first_loss, keep)
 
 
 def train_rows(ctx: Context, preset: str) -> None:
@@ -615,29 +632,23 @@ def _budget_try(
     ctx: Context, impl: str, config: GPTConfig, state: dict, batch: int, seq_len: int, budget: int
 ) -> tuple[bool, int | None]:
     free_memory(ctx.device)
-    model = optimizer = ids = None
+    step = keep = ids = None
     if ctx.cuda:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
         torch.cuda.reset_peak_memory_stats()
     try:
-        model = build_contender(impl, config, state).to(ctx.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ctx.cuda)
         ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=ctx.device)
+        step, keep = training_step(impl, config, state, ids, ctx.device, compiled=False)
         for _ in range(2):
-            with torch.autocast(torch.device(ctx.device).type, dtype=torch.bfloat16):
-                loss = loss_of(model, ids)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
+            step()  # (its loss dropped at once)
         synchronize(ctx.device)
         peak = torch.cuda.max_memory_allocated() if ctx.cuda else None
         return peak is None or peak <= budget, peak
     except torch.OutOfMemoryError:
         return False, None
     finally:
-        del model, optimizer, ids
+        del step, keep, ids
         if ctx.cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
         free_memory(ctx.device)
@@ -881,7 +892,8 @@ def run(
             if k.startswith(("train", "seq", "decode", "prompt", "new", "budget"))
         },
         "model_overrides": profile["model_overrides"],
-        "hfgpt_cpu_backend": "as built (it steps aside on CUDA, and takes itself out of a causal LM at its first forward there); taken out for continuous batching",
+        "hfgpt_cpu_backend": "as built (on CUDA it takes itself out at the model's first train(), eval() or forward); "
+        "taken out for continuous batching",
         "mfu_formula": train_flops.__doc__.split("\n\n")[0].split(": ", 1)[1],
     }
     reports = {}

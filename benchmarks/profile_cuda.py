@@ -31,12 +31,11 @@ from bench_cuda import (
     REFERENCE,
     TRANSFORMERS,
     argument_refusal,
-    build_contender,
     free_memory,
     gpt_config,
-    loss_of,
     machine,
     synchronize,
+    training_step,
     transformers_model,
 )
 from bench_model import write_json
@@ -55,25 +54,6 @@ KINDS = (
 
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "elementwise and other")
-
-
-def make_step(impl: str, config: Any, state: dict, ids: torch.Tensor, device: str, compile: bool) -> tuple:
-    model = build_contender(HFGPT if impl == MASKED else impl, config, state).to(device).train()
-    run = torch.compile(model) if compile else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
-    mask = torch.ones_like(ids) if impl == MASKED else None
-
-    def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            if mask is None:
-                loss = loss_of(run, ids)
-            else:
-                loss = run(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step, (model, run, optimizer)
 
 
 def step_times(step: Callable[[], None], device: str, repeats: int) -> list[float]:
@@ -152,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         "contenders": {},
     }
     for impl in contenders:
-        step, keep = make_step(impl, config, state, ids, args.device, not args.no_compile)
+        mask = torch.ones_like(ids) if impl == MASKED else None
+        step, keep = training_step(
+            HFGPT if impl == MASKED else impl, config, state, ids, args.device, not args.no_compile, mask
+        )
         for _ in range(3):
             step()
         times = step_times(step, args.device, args.repeats)
