@@ -125,9 +125,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": FULL_PROFILE,
     "quick": {
         **FULL_PROFILE,
-        "train_groups": (
-            FULL_PROFILE["train_groups"][0],
+        "train_groups": (  # the ceiling first: a run cut short by a lent GPU's time limit keeps it
             (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED))),
+            FULL_PROFILE["train_groups"][0],
         ),
         "train_repeats": 6,
         "budget_models": ("gpt2",),
@@ -863,12 +863,20 @@ def run(
     memory_budget_gib: float = 40.0,
     time_budget_s: float | None = None,
     json_dir: Path | None = None,
+    models: tuple[str, ...] | None = None,
+    decode_batches: tuple[int, ...] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run the sections; returns one report per section (what `json_dir` receives: each file rewritten as
-    its measurements end, and complete when its section ends)."""
+    its measurements end, and complete when its section ends). `models` keeps the profile's models among
+    those presets only, `decode_batches` replaces its decoding batch sizes."""
     hf_logging.set_verbosity_error()
     started = datetime.datetime.now(datetime.timezone.utc)
-    profile = PROFILES[profile_name]
+    profile = dict(PROFILES[profile_name])
+    if models is not None:
+        for key in ("train_models", "budget_models", "decode_families"):
+            profile[key] = tuple(m for m in profile[key] if m in models)
+    if decode_batches is not None:
+        profile["decode_batches"] = decode_batches
     if device.startswith("cuda"):
         # TF32 for the float32 matmuls left inside autocast (none of the models' products): the usual setting.
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1233,6 +1241,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="start nothing new after this many seconds (what is skipped is named in the figures)",
     )
+    parser.add_argument("--models", help=f"comma list: only these of {','.join(MODELS)}")
+    parser.add_argument("--decode-batches", help="comma list of decoding batch sizes (default: 1,64)")
     parser.add_argument("--json-dir", type=Path, default=FIGURES_DIR, help="where the figures files go")
     parser.add_argument(
         "--update-docs",
@@ -1247,6 +1257,20 @@ def main(argv: list[str] | None = None) -> int:
     if refusal := argument_refusal(args.device, sections, SECTIONS, "section"):
         print(refusal, file=sys.stderr)
         return 2
+    models = tuple(m for m in args.models.split(",") if m) if args.models else None
+    if models is not None and (refusal := argument_refusal(args.device, models, tuple(MODELS), "model")):
+        print(refusal, file=sys.stderr)
+        return 2
+    try:
+        batches = tuple(int(b) for b in args.decode_batches.split(",")) if args.decode_batches else None
+    except ValueError:
+        batches = None
+    if args.decode_batches and (not batches or min(batches) < 1):
+        print(
+            f"error: --decode-batches {args.decode_batches!r} is not a comma list of positive integers",
+            file=sys.stderr,
+        )
+        return 2
     if not args.json_dir.is_dir():
         print(f"error: --json-dir {args.json_dir} is not an existing folder", file=sys.stderr)
         return 2
@@ -1259,6 +1283,8 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget_gib=args.memory_budget_gib,
         time_budget_s=args.time_budget_s,
         json_dir=args.json_dir,
+        models=models,
+        decode_batches=batches,
     )
     print(gpu_table(reports))
     failed = sum(len(r["errors"]) for r in reports.values())

@@ -6,7 +6,9 @@ For each contender: the step's median time (CUDA events around whole steps), the
 time of a few steps, per kernel and per kind of kernel (matrix products, attention, the optimizer, the
 rest: mostly inductor's fused elementwise kernels), per step. `hfgpt (mask tensor)` is hfgpt given an
 all-ones attention mask: the causal mask as a tensor, which is what a compiled step built before hfgpt
-passed sdpa `is_causal` itself.
+passed sdpa `is_causal` itself. `hfgpt (plain loss)` is hfgpt with the causal-LM loss of transformers on its
+full logits instead of its fused linear + cross-entropy (a user's own `loss_function` turns the fused loss
+off).
 
     python benchmarks/profile_cuda.py --json-dir benchmarks          # GPT-2 124M, 16 x 1024, on CUDA
     python benchmarks/profile_cuda.py --tiny --device cpu --no-compile --json-dir /tmp  # the smoke run
@@ -15,6 +17,7 @@ passed sdpa `is_causal` itself.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 import sys
@@ -40,9 +43,11 @@ from bench_cuda import (
 )
 from bench_model import write_json
 from torch.profiler import ProfilerActivity, profile
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 MASKED = "hfgpt (mask tensor)"
-CONTENDERS = (HFGPT, REFERENCE, TRANSFORMERS, MASKED)
+PLAIN_LOSS = "hfgpt (plain loss)"
+CONTENDERS = (HFGPT, REFERENCE, TRANSFORMERS, MASKED, PLAIN_LOSS)
 # Kinds of kernel, by name: the first pattern that matches names the kind.
 KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),
@@ -65,6 +70,17 @@ def step_times(step: Callable[[], None], device: str, repeats: int) -> list[floa
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def peak_memory(device: str, step: Callable[[], None]) -> float | None:
+    """GiB allocated at most during one step (model, optimizer state and activations), on CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def kernel_table(step: Callable[[], None], device: str, steps: int) -> dict[str, Any]:
@@ -134,15 +150,31 @@ def main(argv: list[str] | None = None) -> int:
     for impl in contenders:
         mask = torch.ones_like(ids) if impl == MASKED else None
         step, keep = training_step(
-            HFGPT if impl == MASKED else impl, config, state, ids, args.device, not args.no_compile, mask
+            impl if impl in (REFERENCE, TRANSFORMERS) else HFGPT,
+            config,
+            state,
+            ids,
+            args.device,
+            not args.no_compile,
+            mask,
         )
+        if impl == PLAIN_LOSS:
+            keep[0].loss_function = functools.partial(ForCausalLMLoss)  # not ForCausalLMLoss itself
         for _ in range(3):
             step()
+        peak = peak_memory(args.device, step)
         times = step_times(step, args.device, args.repeats)
         table = kernel_table(step, args.device, steps=3)
-        report["contenders"][impl] = {"step_ms_median": 1000 * statistics.median(times), **table}
+        report["contenders"][impl] = {
+            "step_ms_median": 1000 * statistics.median(times),
+            "peak_gib": peak,
+            **table,
+        }
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in table["by_kind_ms_per_step"].items())
-        print(f"{impl}: {1000 * statistics.median(times):.2f} ms a step; device ms a step: {kinds}")
+        print(
+            f"{impl}: {1000 * statistics.median(times):.2f} ms a step, peak {peak or 0:.2f} GiB; "
+            f"device ms a step: {kinds}"
+        )
         del step, keep
         free_memory(args.device)
         torch.compiler.reset()

@@ -232,6 +232,13 @@ def test_the_profile_script_times_each_contender_kernel_by_kernel(tmp_path):
         assert contender["step_ms_median"] > 0 and contender["top_kernels"]
         kinds = contender["by_kind_ms_per_step"]
         assert sum(kinds.values()) == pytest.approx(contender["device_ms_per_step"])
+    # the plain-loss contender takes transformers' cross-entropy on the full logits; hfgpt does not
+    ops = {
+        c: {k["name"] for k in report["contenders"][c]["top_kernels"]}
+        for c in ("hfgpt", "hfgpt (plain loss)")
+    }
+    assert "aten::cross_entropy_loss" in ops["hfgpt (plain loss)"]
+    assert "aten::cross_entropy_loss" not in ops["hfgpt"]
     assert profile_cuda.main(["--contenders", "hfgpt,nobody", "--json-dir", str(tmp_path)]) == 2
 
 
@@ -255,3 +262,20 @@ def test_the_profile_sorts_kernels_by_kind(name, kind):
     import profile_cuda
 
     assert profile_cuda.kind_of(name) == kind
+
+
+def test_models_and_decoding_batches_narrow_a_run(tmp_path, capsys):
+    argv = ["--tiny", "--device", "cpu", "--no-compile", "--sections", "decode", "--json-dir", str(tmp_path)]
+    assert bench_cuda.main([*argv, "--models", "openai-gpt", "--decode-batches", "2"]) == 0
+    report = json.loads(bench_cuda.figures_path(tmp_path, "cpu", "decode").read_text())
+    assert report["rows"] and {(r["model"], r["case"].split(",")[0]) for r in report["rows"]} == {
+        ("GPT-1", "B=2")
+    }
+    assert report["settings"]["decode_families"] == ["openai-gpt"] and report["settings"][
+        "decode_batches"
+    ] == [2]
+    capsys.readouterr()
+    assert bench_cuda.main([*argv, "--models", "gpt3"]) == 2
+    assert "gpt3" in capsys.readouterr().err
+    assert bench_cuda.main([*argv, "--decode-batches", "1,zero"]) == 2
+    assert "--decode-batches '1,zero'" in capsys.readouterr().err
