@@ -326,8 +326,12 @@ def weighted_cross_entropy(
     return (losses * weights).sum()
 
 
-# Logits formed at a time by `LinearCrossEntropy`: 2**26 (256 MB in float32), whatever the vocabulary.
+# Logits formed at a time by `LinearCrossEntropy`, whatever the vocabulary: on the CPU 2**26 (256 MB in
+# float32), elsewhere 2**30 (2 GB in bfloat16). A GPU wants few, large slices: each slice's three products
+# shrink with it, and the one that sums over the vocabulary (the hidden states' gradient) runs far below a
+# GPU's rate on a few thousand rows. benchmarks/RESULTS.md has the measurements behind both numbers.
 LOSS_CHUNK_ELEMENTS = 1 << 26
+ACCELERATOR_LOSS_CHUNK_ELEMENTS = 1 << 30
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -354,7 +358,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunk_rows: int,
     ) -> torch.Tensor:
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
         low_weight = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         exact = torch.float64 if dtype == torch.float64 else torch.float32  # of the softmax and the sums
@@ -420,7 +425,8 @@ def linear_cross_entropy(
         divisor = (targets != ignore_index).sum()
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
-    chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    elements = LOSS_CHUNK_ELEMENTS if hidden.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_ELEMENTS
+    chunk_rows = max(1, elements // weight.shape[0])
     return LinearCrossEntropy.apply(hidden, weight, targets, divisor, ignore_index, chunk_rows)
 
 

@@ -160,6 +160,29 @@ def test_the_compiled_fused_loss_equals_the_eager_one(small_chunks):
     torch.testing.assert_close(weight.grad, expected[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "device, rows, slices",
+    [  # GPT-2's vocabulary at 16 x 1024 tokens: 13 slices on the CPU, one on an accelerator (meta here)
+        ("cpu", 16 * 1024, 13),
+        ("meta", 16 * 1024, 1),
+        ("meta", 3 * ((1 << 30) // 50257) + 1, 4),
+    ],
+)
+def test_the_fused_loss_takes_large_slices_off_the_cpu(device, rows, slices, monkeypatch):
+    """A GPU runs the head's products far below its rate on small slices: off the CPU a slice holds about
+    2**30 logits, on the CPU 2**26."""
+    taken = []
+    log_softmax = torch.log_softmax
+    monkeypatch.setattr(
+        torch, "log_softmax", lambda x, *a, **k: taken.append(x.shape[0]) or log_softmax(x, *a, **k)
+    )
+    hidden = torch.zeros(rows, 8, device=device)
+    weight = torch.zeros(50257, 8, device=device)
+    labels = torch.zeros(1, rows, dtype=torch.long, device=device)
+    linear_cross_entropy(hidden, weight, labels)
+    assert len(taken) == slices and sum(taken) == rows
+
+
 def test_the_fused_loss_with_a_frozen_head_gives_no_weight_gradient():
     model = plain_model("pre")
     model.transformer.wte.weight.requires_grad_(False)
