@@ -279,3 +279,38 @@ def test_models_and_decoding_batches_narrow_a_run(tmp_path, capsys):
     assert "gpt3" in capsys.readouterr().err
     assert bench_cuda.main([*argv, "--decode-batches", "1,zero"]) == 2
     assert "--decode-batches '1,zero'" in capsys.readouterr().err
+
+
+def test_a_time_budget_keeps_room_for_the_timed_rounds(tmp_path, monkeypatch):
+    """Decoding times its contenders together once each has run once: a contender is started only while
+    the timed rounds of those started before it still fit in the budget, and one left out is named."""
+    real = bench_cuda.decode_run
+
+    def slow_run(ctx, model, kind, prompts, new):
+        run = real(ctx, model, kind, prompts, new)
+
+        def timed_run():
+            clock["ahead"] += 10.0  # each run takes 10 s more on the benchmark's clock
+            return run()
+
+        return timed_run
+
+    clock = {"ahead": 0.0}
+    perf_counter = bench_cuda.time.perf_counter
+    monkeypatch.setattr(bench_cuda.time, "perf_counter", lambda: perf_counter() + clock["ahead"])
+    monkeypatch.setattr(bench_cuda, "decode_run", slow_run)
+    # 35 s: the first contender's first call (10 s) leaves 25 s, but its 1 timed round (10 s) is kept in
+    # reserve, so the second starts (at 10 + 10 < 35) and the third does not (20 + 2 x 10 > 35).
+    bench_cuda.run(
+        "tiny", "cpu", ("decode",), compile=False, time_budget_s=35.0, json_dir=tmp_path,
+        models=("gpt2",), decode_batches=(2,),
+    )  # fmt: skip
+    report = json.loads(bench_cuda.figures_path(tmp_path, "cpu", "decode").read_text())
+    assert [r["impl"] + " " + r["mode"] for r in report["rows"]] == [
+        "hfgpt dynamic cache",
+        "transformers dynamic cache",
+    ]
+    assert [s.rsplit(" ", 3)[-3:] for s in report["skipped"]] == [
+        ["hfgpt", "continuous", "batching"],
+        ["transformers", "continuous", "batching"],
+    ]
