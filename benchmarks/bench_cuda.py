@@ -340,13 +340,14 @@ def measure_hardware(device: str, profile: dict[str, Any]) -> dict[str, float]:
     n = profile["matmul_size"]
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    matmul = _median_time(lambda: a @ b, device, 10)
+    matmul = median_time(lambda: a @ b, device, 10)
     buffer = torch.ones(profile["read_bytes"] // 4, device=device)
-    read = _median_time(buffer.sum, device, 10)
+    read = median_time(buffer.sum, device, 10)
     return {"bf16_matmul_flops_per_s": 2.0 * n**3 / matmul, "read_bytes_per_s": buffer.numel() * 4 / read}
 
 
-def _median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
+def median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
+    """The median seconds of `repeats` calls of `fn`, each synchronised, after 3 untimed ones."""
     times = []
     for i in range(repeats + 3):
         synchronize(device)
@@ -709,8 +710,8 @@ def decode_rows(ctx: Context, preset: str) -> None:
             one_run = (
                 first_s.get(f"{impl} {DYNAMIC}", first_s[name]) if kind in (STATIC, GRAPHS) else first_s[name]
             )
-            slow = not has_cache and impl == TRANSFORMERS  # (timed fewer times, below)
-            reserve_s += profile["slow_repeats" if slow else "decode_repeats"] * one_run
+            recomputes = not has_cache and impl == TRANSFORMERS  # (timed `slow_repeats` times, below)
+            reserve_s += profile["slow_repeats" if recomputes else "decode_repeats"] * one_run
         if not runs:
             continue
         slow = {f"{TRANSFORMERS} {DYNAMIC}": profile["slow_repeats"]} if not has_cache else None
@@ -1271,11 +1272,13 @@ def main(argv: list[str] | None = None) -> int:
     if models is not None and (refusal := argument_refusal(args.device, models, tuple(MODELS), "model")):
         print(refusal, file=sys.stderr)
         return 2
-    try:
-        batches = tuple(int(b) for b in args.decode_batches.split(",")) if args.decode_batches else None
-    except ValueError:
-        batches = None
-    if args.decode_batches and (not batches or min(batches) < 1):
+    batches = None
+    if args.decode_batches:
+        try:
+            batches = tuple(int(b) for b in args.decode_batches.split(","))
+        except ValueError:
+            batches = ()
+    if batches is not None and (not batches or min(batches) < 1):
         print(
             f"error: --decode-batches {args.decode_batches!r} is not a comma list of positive integers",
             file=sys.stderr,

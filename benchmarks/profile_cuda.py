@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
-import statistics
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +35,7 @@ from bench_cuda import (
     free_memory,
     gpt_config,
     machine,
+    median_time,
     synchronize,
     training_step,
     transformers_model,
@@ -59,17 +58,6 @@ KINDS = (
 
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "elementwise and other")
-
-
-def step_times(step: Callable[[], None], device: str, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def peak_memory(device: str, step: Callable[[], None]) -> float | None:
@@ -160,21 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if impl == PLAIN_LOSS:
             keep[0].loss_function = functools.partial(ForCausalLMLoss)  # not ForCausalLMLoss itself
-        for _ in range(3):
-            step()
+        step_ms = 1000 * median_time(step, args.device, args.repeats)
         peak = peak_memory(args.device, step)
-        times = step_times(step, args.device, args.repeats)
         table = kernel_table(step, args.device, steps=3)
-        report["contenders"][impl] = {
-            "step_ms_median": 1000 * statistics.median(times),
-            "peak_gib": peak,
-            **table,
-        }
+        report["contenders"][impl] = {"step_ms_median": step_ms, "peak_gib": peak, **table}
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in table["by_kind_ms_per_step"].items())
-        print(
-            f"{impl}: {1000 * statistics.median(times):.2f} ms a step, peak {peak or 0:.2f} GiB; "
-            f"device ms a step: {kinds}"
-        )
+        print(f"{impl}: {step_ms:.2f} ms a step, peak {peak or 0:.2f} GiB; device ms a step: {kinds}")
         del step, keep
         free_memory(args.device)
         torch.compiler.reset()
