@@ -769,12 +769,26 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                     print(f"[{family} lowp: {name}: {accuracy[name]['wrong']}]", file=sys.stderr)
     fns = {name: (lambda d=decoder: _no_grad(d.greedy, prompts, new)) for name, decoder in variants.items()}
     rows = []
+    # CTranslate2 runs in processes of its own (`ctranslate2_alone`), half of its repeats before the
+    # interleaved rounds of the others and half after, so that a drift of the machine's speed during the
+    # section weighs on it as on them.
+    ctranslate2 = ctx.device == "cpu" and "ctranslate2" in ctx.peers and isinstance(peer, GPT2LMHeadModel)
+    before = (ctx.decode_repeats + 1) // 2
+    if ctranslate2:
+        alone = ctranslate2_alone(family, ctx.profile_name, before)
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
     timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, slow)
-    if ctx.device == "cpu" and "ctranslate2" in ctx.peers and isinstance(peer, GPT2LMHeadModel):
-        alone = ctranslate2_alone(family, ctx.profile_name, ctx.decode_repeats)
-        timings[CTRANSLATE2], accuracy[CTRANSLATE2] = Timing(alone["times"]), alone["accuracy"]
+    if ctranslate2:
+        after = ctx.decode_repeats - before
+        times = alone["times"] + (
+            ctranslate2_alone(family, ctx.profile_name, after)["times"] if after else []
+        )
+        accuracy[CTRANSLATE2] = {
+            **alone["accuracy"],
+            "measured": f"alone in fresh processes: {before} runs before the others' rounds, {after} after",
+        }
+        timings[CTRANSLATE2] = Timing(times)
     for name, timing in timings.items():
         rows.append(
             Row(
@@ -813,11 +827,11 @@ def decoding_accuracy(
 
 
 def ctranslate2_alone(family: str, profile_name: str, repeats: int) -> dict[str, Any]:
-    """CTranslate2's int8 greedy decoding (`ctranslate2_int8`) timed in a fresh process of its own, after
-    the interleaved rounds: its OpenMP threads, beside torch's in one process, left every other contender
-    of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8 copy 13.0 ms a step alone,
-    22.9 with CTranslate2 loaded), so it is not interleaved with them. The same weights (`build_ours`'s
-    seed), prompts and accuracy measures as the section's other rows."""
+    """CTranslate2's int8 greedy decoding (`ctranslate2_int8`) timed `repeats` times (none: only its
+    accuracy) in a fresh process of its own: its OpenMP threads, beside torch's in one process, left every
+    other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8 copy 13.0
+    ms a step alone, 22.9 with CTranslate2 loaded), so it is not interleaved with them. The same weights
+    (`build_ours`'s seed), prompts and accuracy measures as the section's other rows."""
     spec = dict(kind="ctranslate2", family=family, profile=profile_name, repeats=repeats)
     return run_worker("CTranslate2", {**spec, "threads": torch.get_num_threads()})
 
@@ -851,10 +865,7 @@ def ctranslate2_worker(spec: dict[str, Any]) -> dict[str, Any]:
         reference, ref_tokens = ours(ids).logits.float(), greedy(ours, prompts, new)
         logits, tokens = decoder.logits(ids), decoder.greedy(prompts, new)
     del ours
-    accuracy = {
-        **decoding_accuracy(logits, reference, tokens, ref_tokens),
-        "measured": "alone in a fresh process",
-    }
+    accuracy = decoding_accuracy(logits, reference, tokens, ref_tokens)
     times = []
     for _ in range(spec["repeats"]):
         start = time.perf_counter()
