@@ -767,28 +767,25 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                         f"a compiled step's logits off the eager step's by {error:.2g}x their norm"
                     )
                     print(f"[{family} lowp: {name}: {accuracy[name]['wrong']}]", file=sys.stderr)
-    fns = {name: (lambda d=decoder: _no_grad(d.greedy, prompts, new)) for name, decoder in variants.items()}
-    rows = []
-    # CTranslate2 runs in processes of its own (`ctranslate2_alone`), half of its repeats before the
-    # interleaved rounds of the others and half after, so that a drift of the machine's speed during the
-    # section weighs on it as on them.
+    # CTranslate2 is timed in processes of its own (`decoder_alone`); hfgpt's compiled int8 copy, the
+    # contender it is set against, then is too, rather than interleaved here beside four other models.
     ctranslate2 = ctx.device == "cpu" and "ctranslate2" in ctx.peers and isinstance(peer, GPT2LMHeadModel)
-    before = (ctx.decode_repeats + 1) // 2
-    if ctranslate2:
-        alone = ctranslate2_alone(family, ctx.profile_name, before)
+    alone = [CTRANSLATE2, *([INT8_COMPILED] if ctranslate2 and INT8_COMPILED in variants else [])]
+    fns = {
+        name: (lambda d=decoder: _no_grad(d.greedy, prompts, new))
+        for name, decoder in variants.items()
+        if not (ctranslate2 and name in alone)
+    }
+    rows = []
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
     timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, slow)
     if ctranslate2:
-        after = ctx.decode_repeats - before
-        times = alone["times"] + (
-            ctranslate2_alone(family, ctx.profile_name, after)["times"] if after else []
-        )
-        accuracy[CTRANSLATE2] = {
-            **alone["accuracy"],
-            "measured": f"alone in fresh processes: {before} runs before the others' rounds, {after} after",
-        }
-        timings[CTRANSLATE2] = Timing(times)
+        runs = alone_rounds(family, ctx.profile_name, alone, ctx.decode_repeats)
+        accuracy[CTRANSLATE2] = runs[CTRANSLATE2]["accuracy"]
+        for name in alone:
+            timings[name] = Timing(runs[name]["times"])
+            accuracy[name]["measured"] = runs[name]["measured"]
     for name, timing in timings.items():
         rows.append(
             Row(
@@ -826,18 +823,39 @@ def decoding_accuracy(
     }
 
 
-def ctranslate2_alone(family: str, profile_name: str, repeats: int) -> dict[str, Any]:
-    """CTranslate2's int8 greedy decoding (`ctranslate2_int8`) timed `repeats` times (none: only its
-    accuracy) in a fresh process of its own: its OpenMP threads, beside torch's in one process, left every
-    other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8 copy 13.0
-    ms a step alone, 22.9 with CTranslate2 loaded), so it is not interleaved with them. The same weights
-    (`build_ours`'s seed), prompts and accuracy measures as the section's other rows."""
-    spec = dict(kind="ctranslate2", family=family, profile=profile_name, repeats=repeats)
-    return run_worker("CTranslate2", {**spec, "threads": torch.get_num_threads()})
+def decoder_alone(kind: str, family: str, profile_name: str, repeats: int) -> dict[str, Any]:
+    """A decoder of the lowp section (`CTRANSLATE2` or `INT8_COMPILED`) timed `repeats` times in a fresh
+    process of its own (`decoder_worker`): CTranslate2's OpenMP threads, beside torch's in one process, left
+    every other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8 copy
+    13.0 ms a step alone, 22.9 with CTranslate2 loaded), so it is not interleaved with them; and a
+    contender interleaved with four other models in one process ran 5-15% slower than alone (another model
+    compiled in the process, another's weights streamed between its runs), so the int8 copy set against
+    CTranslate2 is timed alone as well. The same weights (`build_ours`'s seed), prompts and accuracy
+    measures as the section's other rows."""
+    spec = dict(kind=kind, family=family, profile=profile_name, repeats=repeats)
+    return run_worker(kind, {**spec, "threads": torch.get_num_threads()})
+
+
+def alone_rounds(family: str, profile_name: str, kinds: list[str], repeats: int) -> dict[str, dict[str, Any]]:
+    """`decoder_alone` for each of `kinds`, `repeats` timed runs each, in two rounds of fresh processes in
+    mirrored order (A B, then B A): half of the runs each, so that a drift of the machine's speed weighs on
+    each alike. Per kind: its times, the first process's accuracy where it has one, and how it was run."""
+    first = (repeats + 1) // 2
+    results: dict[str, dict[str, Any]] = {kind: {"times": []} for kind in kinds}
+    for count, order in ((first, kinds), (repeats - first, kinds[::-1])):
+        for kind in order:
+            if count or "accuracy" not in results[kind]:  # (the first round always runs: the accuracy)
+                run = decoder_alone(kind, family, profile_name, count)
+                results[kind]["times"] += run["times"]
+                results[kind].setdefault("accuracy", run.get("accuracy"))
+    others = " and ".join(kinds)
+    for kind in kinds:
+        results[kind]["measured"] = f"alone in fresh processes, in two mirrored rounds with {others}"
+    return results
 
 
 def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """This script's `--worker spec` in a fresh process (`memory_worker` or `ctranslate2_worker`): its
+    """This script's `--worker spec` in a fresh process (`memory_worker` or `decoder_worker`): its
     JSON result, or an error naming `what` and the worker's last output."""
     out = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)],
@@ -851,27 +869,36 @@ def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ctranslate2_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """`ctranslate2_alone`'s process: the accuracy of CTranslate2's int8 copy against hfgpt's float32 model
-    on the same weights, and `repeats` timed greedy runs after one untimed."""
+def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """`decoder_alone`'s process: `repeats` timed greedy runs after an untimed one (which compiles hfgpt's
+    int8 copy), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32 model on the
+    same weights."""
     torch.set_num_threads(spec["threads"])
     profile = PROFILES[spec["profile"]]
     ours = build_ours(spec["family"], profile["model_overrides"], "cpu").eval()
-    decoder = ctranslate2_int8(build_peer(ours))
     new = profile["new_tokens"]
     prompts = left_padded_prompts(1, profile["prompt_len"], ours.config.vocab_size, 0, "cpu")
-    ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)))
-    with torch.inference_mode():
-        reference, ref_tokens = ours(ids).logits.float(), greedy(ours, prompts, new)
-        logits, tokens = decoder.logits(ids), decoder.greedy(prompts, new)
+    result: dict[str, Any] = {}
+    if spec["kind"] == CTRANSLATE2:
+        decoder = ctranslate2_int8(build_peer(ours))
+        ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)))
+        with torch.inference_mode():
+            reference, ref_tokens = ours(ids).logits.float(), greedy(ours, prompts, new)
+            logits, tokens = decoder.logits(ids), decoder.greedy(prompts, new)
+        result["accuracy"] = decoding_accuracy(logits, reference, tokens, ref_tokens)
+    else:
+        int8 = quantize_for_decoding(ours)
+        decoder = module_decoder(int8, **compiled_decoding(int8))
+        with torch.inference_mode():
+            decoder.greedy(prompts, new)  # compiles
     del ours
-    accuracy = decoding_accuracy(logits, reference, tokens, ref_tokens)
     times = []
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
-        decoder.greedy(prompts, new)
-        times.append(time.perf_counter() - start)
-    return {"times": times, "accuracy": accuracy}
+    with torch.inference_mode():
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            decoder.greedy(prompts, new)
+            times.append(time.perf_counter() - start)
+    return {**result, "times": times}
 
 
 def make_train_step(
@@ -1800,7 +1827,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         spec = json.loads(args.worker)
         print(
-            json.dumps(ctranslate2_worker(spec) if spec.get("kind") == "ctranslate2" else memory_worker(spec))
+            json.dumps(
+                decoder_worker(spec)
+                if spec.get("kind") in (CTRANSLATE2, INT8_COMPILED)
+                else memory_worker(spec)
+            )
         )
         return 0
     if args.update_docs:
