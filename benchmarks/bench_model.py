@@ -770,17 +770,17 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
     # CTranslate2 is timed in processes of its own (`decoder_alone`); hfgpt's compiled int8 copy, the
     # contender it is set against, then is too, rather than interleaved here beside four other models.
     ctranslate2 = ctx.device == "cpu" and "ctranslate2" in ctx.peers and isinstance(peer, GPT2LMHeadModel)
-    alone = [CTRANSLATE2, *([INT8_COMPILED] if ctranslate2 and INT8_COMPILED in variants else [])]
+    alone = [CTRANSLATE2, *([INT8_COMPILED] if INT8_COMPILED in variants else [])] if ctranslate2 else []
     fns = {
         name: (lambda d=decoder: _no_grad(d.greedy, prompts, new))
         for name, decoder in variants.items()
-        if not (ctranslate2 and name in alone)
+        if name not in alone
     }
     rows = []
     # OpenAIGPT recomputes the whole sequence per token: its accuracy run above doubles as a warm-up.
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
     timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, slow)
-    if ctranslate2:
+    if alone:
         runs = alone_rounds(family, ctx.profile_name, alone, ctx.decode_repeats)
         accuracy[CTRANSLATE2] = runs[CTRANSLATE2]["accuracy"]
         for name in alone:
@@ -841,17 +841,13 @@ def alone_rounds(family: str, profile_name: str, kinds: list[str], repeats: int)
     mirrored order (A B, then B A): half of the runs each, so that a drift of the machine's speed weighs on
     each alike. Per kind: its times, the first process's accuracy where it has one, and how it was run."""
     first = (repeats + 1) // 2
-    results: dict[str, dict[str, Any]] = {kind: {"times": []} for kind in kinds}
-    for count, order in ((first, kinds), (repeats - first, kinds[::-1])):
-        for kind in order:
-            if count or "accuracy" not in results[kind]:  # (the first round always runs: the accuracy)
-                run = decoder_alone(kind, family, profile_name, count)
-                results[kind]["times"] += run["times"]
-                results[kind].setdefault("accuracy", run.get("accuracy"))
-    others = " and ".join(kinds)
-    for kind in kinds:
-        results[kind]["measured"] = f"alone in fresh processes, in two mirrored rounds with {others}"
-    return results
+    # A B, the first round (where CTranslate2 also measures its accuracy), then B A with the runs left
+    runs = {kind: decoder_alone(kind, family, profile_name, first) for kind in kinds}
+    if repeats > first:
+        for kind in reversed(kinds):
+            runs[kind]["times"] += decoder_alone(kind, family, profile_name, repeats - first)["times"]
+    measured = f"alone in fresh processes, in two mirrored rounds with {' and '.join(kinds)}"
+    return {kind: {**run, "measured": measured} for kind, run in runs.items()}
 
 
 def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
