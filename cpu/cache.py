@@ -54,6 +54,20 @@ class GrowingLayer(DynamicLayer):
         self.values, self._value_buffer = _append(self.values, self._value_buffer, value_states)
         return self.keys, self.values
 
+    def reserve(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, (B, H, capacity, D) and contiguous, whose first positions hold the
+        cached ones, with room for `extra` more: for a kernel that writes a step's keys and values into them
+        itself (hfgpt's int8 decoding step), after which `advance(extra)` makes them the layer's. The layer
+        must hold keys already (a prompt's)."""
+        self._key_buffer = _reserve(self.keys, self._key_buffer, extra)
+        self._value_buffer = _reserve(self.values, self._value_buffer, extra)
+        return self._key_buffer, self._value_buffer
+
+    def advance(self, extra: int) -> None:
+        """The layer holds the `extra` positions written after its cached ones in `reserve`'s buffers."""
+        length = self.keys.shape[-2] + extra
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()
@@ -92,13 +106,11 @@ def _prefix_of(cached: torch.Tensor, buffer: torch.Tensor | None) -> bool:
     )
 
 
-def _append(
-    cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the cached positions followed by `new`, as a view of the buffer's first positions; the buffer):
-    written into `buffer` where `cached` is its first positions, it has room and it may be written here,
-    else into a new buffer with a quarter spare that first receives a copy of `cached`."""
-    length, extra = cached.shape[-2], new.shape[-2]
+def _reserve(cached: torch.Tensor, buffer: torch.Tensor | None, extra: int) -> torch.Tensor:
+    """A buffer whose first positions are `cached`, with room for `extra` more: `buffer` where `cached` is
+    its first positions, it has the room and it may be written here, else a new one with a quarter spare
+    that receives a copy of `cached`."""
+    length = cached.shape[-2]
     if (
         not _prefix_of(cached, buffer)
         or length + extra > buffer.shape[-2]
@@ -109,6 +121,16 @@ def _append(
         batch, heads, _, dim = cached.shape
         buffer = cached.new_empty(batch, heads, need + max(need // 4, MIN_SPARE), dim)
         buffer[:, :, :length].copy_(cached)
+    return buffer
+
+
+def _append(
+    cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cached positions followed by `new`, as a view of the buffer's first positions; the buffer),
+    `new` written into `_reserve`'s buffer."""
+    length, extra = cached.shape[-2], new.shape[-2]
+    buffer = _reserve(cached, buffer, extra)
     buffer[:, :, length : length + extra].copy_(new)
     return buffer[:, :, : length + extra], buffer
 

@@ -18,6 +18,8 @@ runs on OpenMP threads of its own.
 """
 
 import ctypes
+import functools
+import operator
 from collections.abc import Callable, Iterable
 
 import torch
@@ -87,7 +89,7 @@ def _strides(t: Tensor) -> ctypes.Array:
 
 
 def _pointers(tensors: list[Tensor]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+    return (ctypes.c_void_p * len(tensors))(*map(Tensor.data_ptr, tensors))
 
 
 # The operators a decoding step calls once per layer or per product (decode attention, the one-row products,
@@ -99,11 +101,14 @@ def _pointers(tensors: list[Tensor]) -> ctypes.Array:
 _DECODING = torch.library.Library("hfgpt", "FRAGMENT")
 
 
-def _decoding_op(function: Callable) -> Callable:
+def _decoding_op(function: Callable | None = None, *, mutates_args: tuple[str, ...] = ()) -> Callable:
     """Define `function` (typed as `custom_op` takes it) as the CPU implementation of the operator
-    `hfgpt::<its name>` and return that operator (`torch.ops.hfgpt.<name>.default`)."""
+    `hfgpt::<its name>` and return that operator (`torch.ops.hfgpt.<name>.default`); `mutates_args` names
+    the arguments it writes into, as `custom_op`'s."""
+    if function is None:
+        return functools.partial(_decoding_op, mutates_args=mutates_args)
     name = function.__name__
-    _DECODING.define(name + torch.library.infer_schema(function, mutates_args=()))
+    _DECODING.define(name + torch.library.infer_schema(function, mutates_args=mutates_args))
     _DECODING.impl(name, function, "CPU")
     operator = getattr(torch.ops.hfgpt, name).default
     operator.__doc__ = function.__doc__
@@ -670,3 +675,190 @@ def _(attention: Tensor, hidden: Tensor, *_: object) -> Tensor:
 def int8_fused_available() -> bool:
     """Whether `int8_norm_linear` and `int8_block_tail` run here: csrc/int8_linear.c is built (on any CPU)."""
     return available("int8_linear") and bool(native.kernel("int8_linear").hfgpt_int8_fused_available())
+
+
+# Tensors per block in `int8_decode_step`'s `blocks` (csrc/int8_linear.c's LAYER_POINTERS): ln_1's weight and
+# bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales
+# and bias.
+INT8_BLOCK_TENSORS = 16
+HEAD_SIZE = 64  # the heads the C attention computes (csrc/decode_attention.h)
+
+
+# Where the packed weights lie among a block's `INT8_BLOCK_TENSORS` (after the 4 norm tensors, every third).
+_PACKED_AT = frozenset((4, 7, 10, 13))
+
+
+def _quick_fit(dtype: torch.dtype, tensors: list[Tensor]) -> bool:
+    """Whether every tensor is a contiguous `dtype` CPU tensor (as `_all_contiguous`, in C loops)."""
+    return (
+        set(map(_DTYPE, tensors)) <= {dtype}
+        and all(map(_IS_CPU, tensors))
+        and all(map(Tensor.is_contiguous, tensors))
+    )
+
+
+_DTYPE, _IS_CPU, _SHAPE = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("is_cpu"),
+    operator.attrgetter("shape"),
+)
+
+
+@functools.cache
+def _block_positions(layers: int) -> tuple[Callable, Callable]:
+    """Getters of the packed weights and of the float vectors among `layers` blocks' tensors."""
+    count = layers * INT8_BLOCK_TENSORS
+    packed = [i for i in range(count) if i % INT8_BLOCK_TENSORS in _PACKED_AT]
+    return operator.itemgetter(*packed), operator.itemgetter(*(i for i in range(count) if i not in packed))
+
+
+def _packed_shape(width_in: int, width_out: int) -> tuple[int, int, int, int]:
+    """The packed int8 weight's shape for `width_in` inputs and `width_out` outputs."""
+    return (-(-width_out // INT8_TILE), -(-width_in // INT8_BLOCK) * INT8_BLOCK // 4, INT8_TILE, 4)
+
+
+def _name_in_step(t: Tensor, wte: Tensor, wpe: Tensor, *groups: list[Tensor]) -> str:
+    """How `int8_decode_step`'s error names tensor `t`: wte, wpe, or its list and index there."""
+    if t is wte or t is wpe:
+        return "wte" if t is wte else "wpe"
+    for name, group in zip(("blocks", "keys", "values", "final_norm"), groups, strict=True):
+        for index, other in enumerate(group):
+            if other is t:
+                return f"{name}[{index}]"
+    return "a tensor"
+
+
+def _check_ids(op: str, name: str, ids: Tensor, size: int, rows: int) -> None:
+    _expect(op, torch.int64, **{name: ids})
+    if tuple(ids.shape) != (rows,) or not ids.is_contiguous():
+        raise ValueError(f"hfgpt::{op}: {name} must be {rows} contiguous ids, got shape {tuple(ids.shape)}")
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= size:
+        raise ValueError(f"hfgpt::{op}: {name} holds ids outside [0, {size}): {int(low)} .. {int(high)}")
+
+
+@_decoding_op(mutates_args=("keys", "values"))
+def int8_decode_step(
+    ids: Tensor,
+    positions: Tensor,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: list[Tensor],
+    keys: list[Tensor],
+    values: list[Tensor],
+    past: int,
+    mask: Tensor | None,
+    scalings: list[float],
+    eps: float,
+    pre_norm: bool,
+    final_norm: list[Tensor],
+    final_eps: float,
+) -> Tensor:
+    """One decoding step of an int8 decoding copy in one call (`int8_model_forward` in `hfgpt.cpu.quantization`,
+    csrc/int8_linear.c): token `ids` at `positions` (B each) embedded with `wte` and `wpe`; every block (ln_1
+    and c_attn, the attention on the block's cache, c_proj, the residual sums, ln_2 and the MLP, GPT-1's
+    post-norms where not `pre_norm`); then the final layer norm (`final_norm`: its weight and bias, or
+    empty). Returns the (B, n) last hidden states.
+
+    `blocks`: `INT8_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the
+    attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales and bias. `keys[l]`,
+    `values[l]`: block l's cache, contiguous (B, H, capacity, 64) buffers whose first `past` positions hold
+    the cached keys and values: the step writes position `past` into them and attends positions 0 to
+    `past`, those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero. `scalings[l]`: block
+    l's attention scale; `eps`: its layer norms'."""
+    op = "int8_decode_step"
+    layers, rows = len(keys), ids.numel()
+    if layers == 0 or len(values) != layers or len(scalings) != layers:
+        raise ValueError(
+            f"hfgpt::{op}: {layers} key buffers, {len(values)} value buffers, {len(scalings)} scales"
+        )
+    if len(blocks) != INT8_BLOCK_TENSORS * layers or len(final_norm) not in (0, 2):
+        raise ValueError(
+            f"hfgpt::{op}: needs {INT8_BLOCK_TENSORS} tensors a block ({len(blocks)} for {layers} blocks) "
+            f"and 0 or 2 final norm tensors ({len(final_norm)})"
+        )
+    # (one quick pass over every tensor, as a step runs once per token; where it fails, the loop after it
+    # names the tensor at fault)
+    packed_at, vectors_at = _block_positions(layers)
+    packed, vectors = list(packed_at(blocks)), vectors_at(blocks)
+    floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
+    if not (_quick_fit(torch.uint8, packed) and _quick_fit(torch.float32, floats)):
+        for dtype, group in ((torch.uint8, packed), (torch.float32, floats)):
+            for t in group:
+                name = _name_in_step(t, wte, wpe, blocks, keys, values, final_norm)
+                _expect(op, dtype, **{name: t})
+                _contiguous(op, **{name: t})
+    if wte.dim() != 2 or wpe.dim() != 2 or wte.shape[1] != wpe.shape[1]:
+        raise ValueError(f"hfgpt::{op}: wte {tuple(wte.shape)} and wpe {tuple(wpe.shape)} must be (rows, n)")
+    width = wte.shape[1]
+    heads = width // HEAD_SIZE
+    _check_ids(op, "ids", ids, wte.shape[0], rows)
+    _check_ids(op, "positions", positions, wpe.shape[0], rows)
+    inner = blocks[11].numel()  # (c_fc's scales)
+    # (c_attn, the attention's c_proj, c_fc, the MLP's c_proj: inputs, outputs and packed shape)
+    shapes = [(width_in, width_out, _packed_shape(width_in, width_out)) for width_in, width_out in (
+        (width, 3 * width), (width, width), (width, inner), (inner, width)
+    )]  # fmt: skip
+    # (every block's packed shapes and vector sizes compared in C loops first; the loop names the one at fault)
+    sizes = [width] * 4 + [size for _, width_out, _ in shapes for size in (width_out, width_out)]
+    if (
+        list(map(_SHAPE, packed)) != [shape for _, _, shape in shapes] * layers
+        or list(map(Tensor.numel, vectors)) != sizes * layers
+    ):
+        for layer in range(layers):
+            block = blocks[INT8_BLOCK_TENSORS * layer : INT8_BLOCK_TENSORS * (layer + 1)]
+            for index, norm in enumerate(block[:4]):
+                if norm.numel() != width:
+                    raise ValueError(
+                        f"hfgpt::{op}: block {layer}'s norm tensor {index} holds {norm.numel()} values for {width}"
+                    )
+            for index, (width_in, width_out, shape) in enumerate(shapes):
+                weight, scale, bias = block[4 + 3 * index : 7 + 3 * index]
+                if weight.shape != shape or scale.numel() != width_out or bias.numel() != width_out:
+                    raise ValueError(
+                        f"hfgpt::{op}: block {layer}'s layer {index} ({width_in} inputs, {width_out} outputs) "
+                        f"needs a packed weight of shape {shape} and {width_out} scales and biases, got "
+                        f"{tuple(weight.shape)}, {scale.numel()} and {bias.numel()}"
+                    )
+    expected = (rows, heads, HEAD_SIZE)
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if (
+            heads * HEAD_SIZE != width
+            or k.dim() != 4
+            or k.shape != v.shape
+            or (k.shape[0], k.shape[1], k.shape[3]) != expected
+            or not 0 <= past < k.shape[2]
+        ):
+            raise ValueError(
+                f"hfgpt::{op}: block {layer}'s key and value buffers {tuple(k.shape)}, {tuple(v.shape)} must be "
+                f"(B, H, capacity, {HEAD_SIZE}) = ({rows}, {width // HEAD_SIZE}, > {past}, {HEAD_SIZE})"
+            )
+    if any(norm.numel() != width for norm in final_norm):
+        raise ValueError(f"hfgpt::{op}: the final norm's tensors must hold {width} values")
+    if mask is not None:
+        if mask.dtype not in (torch.bool, torch.uint8) or not mask.is_cpu:
+            raise ValueError(
+                f"hfgpt::{op}: mask must be a bool or uint8 CPU tensor, got {mask.dtype} on {mask.device}"
+            )
+        if mask.dim() != 2 or tuple(mask.shape) != (rows, past + 1) or mask.stride(1) != 1:
+            raise ValueError(
+                f"hfgpt::{op}: mask must be ({rows}, {past + 1}) with contiguous rows, got {tuple(mask.shape)}"
+            )
+    out = wte.new_empty(rows, width)
+    status = _library("int8_linear").hfgpt_int8_decode_step(
+        ids.data_ptr(), positions.data_ptr(), wte.data_ptr(), wpe.data_ptr(), rows, width, heads, inner, layers,
+        int(pre_norm), eps, (ctypes.c_float * layers)(*scalings), _pointers(blocks), _pointers(keys),
+        _pointers(values), (ctypes.c_int64 * layers)(*(k.shape[2] for k in keys)), past, _pointer(mask),
+        0 if mask is None else mask.stride(0), *(_pointer(t) for t in final_norm or (None, None)), final_eps,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(
+            f"hfgpt::{op}: no memory for the scratch of a step of {rows} rows, {past + 1} positions"
+        )
+    return out
+
+
+@torch.library.register_fake("hfgpt::int8_decode_step")
+def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
+    return wte.new_empty(ids.numel(), wte.shape[1])

@@ -81,6 +81,13 @@ SIGNATURES = {
             [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P, ctypes.c_float]
             + [_P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, ctypes.c_int],
         ),
+        # ids, positions, wte, wpe, rows, n, heads, inner, layers, pre_norm, eps, scalings, layer pointers,
+        # key buffers, value buffers, capacities, past, mask, mask stride, ln_f weight, bias, eps, y, threads
+        "hfgpt_int8_decode_step": (
+            ctypes.c_int,
+            [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float, _P, _P, _P, _P, _P]
+            + [_I64, _P, _I64, _P, _P, ctypes.c_float, _P, ctypes.c_int],
+        ),
     },
     "attention": {
         # q, k, v, out, B, H, T, q strides, k strides, v strides, out strides, scale, threads

@@ -310,6 +310,11 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def has_global_forward_hooks() -> bool:
+    """Whether forward or forward-pre hooks are registered for every module (`register_module_forward_hook`)."""
+    return bool(_global_forward_hooks or _global_forward_pre_hooks)
+
+
 def has_forward_hooks(module: nn.Module) -> bool:
     """Whether calling `module` would run forward or forward-pre hooks (its own or global ones), or a
     `forward` set on the instance (accelerate's hooks wrap it so: with `device_map` offloading, the weights

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfgpt.cpu import kernels, native
+from hfgpt.cpu import kernels, native, quantization
 from hfgpt.cpu.quantization import Int8Block, Int8Linear, _kernel_layer, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
@@ -56,7 +56,9 @@ def fused_calls(monkeypatch) -> list[bool]:
 
 
 def unfused(monkeypatch) -> None:
+    """Every block through its modules (decoding steps too: not in one call, `int8_model_forward`)."""
     monkeypatch.setattr(Int8Block, "fuses", lambda self, hidden_states: False)
+    monkeypatch.setattr(quantization, "decodes_in_one_call", lambda *args: False)
 
 
 def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +79,7 @@ def test_fused_blocks_give_the_unfused_logits_and_tokens(family, width, heads, f
         fused = int8(ids, attention_mask=mask).logits
         tokens = int8.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         reference = model(ids, attention_mask=mask).logits
-    assert fused_calls and all(fused_calls)  # prefill and every decoding step, every block
+    assert fused_calls and all(fused_calls)  # every block of the prompts (the steps: one call each)
     unfused(monkeypatch)
     with torch.no_grad():
         expected = int8(ids, attention_mask=mask).logits

@@ -16,6 +16,7 @@ PREAMBLE = textwrap.dedent(
     from hfgpt.cpu import quantize_for_decoding
     from hfgpt.cpu.quantization import Int8Linear
     from hfgpt.modeling import GPTConfig, GPTForCausalLM
+    from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=2)
@@ -30,6 +31,21 @@ PREAMBLE = textwrap.dedent(
         try:
             with torch.no_grad():
                 return model(ids).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def step_logits(change=lambda: None, torch_path=False):
+        # The logits of a decoding step (the last token, after a cache of the others; `change` made between
+        # them), in one call of the int8 step where it applies, or with every block through its modules.
+        handles = []
+        if torch_path:
+            handles = [b.register_forward_pre_hook(lambda module, args: None) for b in model.transformer.h]
+        try:
+            with torch.no_grad():
+                cache = getattr(model(ids[:, :-1], use_cache=True), CACHE_FIELD)
+                change()
+                return model(ids[:, -1:], cache=cache).logits
         finally:
             for handle in handles:
                 handle.remove()
@@ -87,6 +103,29 @@ CASES = {
             torch.testing.assert_close(layer(x), layer.reference(x), atol=0, rtol=0)
         print("values equal")
     """,
+    "strided layer norm weight, set between decoding steps": """
+        def change():
+            width = block.ln_1.weight.shape[0]
+            strided = torch.empty(2 * width)
+            strided[::2] = block.ln_1.weight.detach()
+            block.ln_1.weight = nn.Parameter(strided[::2])
+        weight = block.ln_1.weight
+        got = outcome(lambda: step_logits(change))
+        block.ln_1.weight = weight
+        expected = step_logits(change, torch_path=True)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+    "smaller packed weight, set between decoding steps": """
+        def change():
+            block.mlp.c_proj.packed = block.mlp.c_proj.packed[:1].clone()
+        outcome(lambda: step_logits(change))
+        raise AssertionError("a step with a truncated packed weight returned values")
+    """,
+    "final norm of another dtype, set between decoding steps": """
+        got = outcome(lambda: step_logits(lambda: model.transformer.ln_f.to(torch.float64)))
+        raise AssertionError("a float32 step with a float64 final norm returned values")
+    """,
     "vmap over the batch": """
         rows = outcome(lambda: torch.func.vmap(lambda row: model(row[None]).logits[0])(ids))
         with torch.no_grad():
@@ -103,6 +142,9 @@ EXPECTED = {
     "smaller packed weight": "refused:",
     "packed weight of another dtype": "values equal",
     "vmap over the batch": "values equal",
+    "strided layer norm weight, set between decoding steps": "values equal",
+    "smaller packed weight, set between decoding steps": "refused:",
+    "final norm of another dtype, set between decoding steps": "refused:",
 }
 
 

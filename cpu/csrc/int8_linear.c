@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_attention.h"
 #include "vector_math.h"
 #define BLOCK 64
 #define TILE 32
@@ -464,6 +465,39 @@ typedef struct {
     const float *scale, *bias;
 } int8_layer_t;
 
+/* Inside a parallel region: y = W LN(x) + b, or W x + b where ln_w is NULL (`normed`: rows x in floats). */
+static void norm_linear(const float *x, int64_t rows, int64_t in, const float *ln_w, const float *ln_b, float eps,
+                        const int8_layer_t *l, float *normed, float *y, const scratch_t *sc)
+{
+    if (ln_w) add_norm(x, NULL, rows, in, ln_w, ln_b, eps, normed, NULL);
+    product(ln_w ? normed : x, rows, in, in, l->w, l->out, l->inp, l->scale, l->bias, y, l->out, sc);
+}
+
+/* Inside a parallel region: the block after its attention output `attn` ([rows, n]), from the block's
+ * input `h`, into `y` (see above); `work`: rows x (4 n + inner) floats. */
+static void block_tail(const float *attn, const float *h, float *y, int64_t rows, int64_t n, int pre_norm,
+                       const float *ln1_w, const float *ln1_b, const float *ln2_w, const float *ln2_b, float eps,
+                       const int8_layer_t *proj, const int8_layer_t *fc, const int8_layer_t *mproj, float *work,
+                       const scratch_t *sc)
+{
+    const int64_t inner = fc->out;
+    float *t = work, *h1 = t + rows * n, *x2 = h1 + rows * n, *sum = x2 + rows * n, *act = sum + rows * n;
+    product(attn, rows, n, n, proj->w, proj->out, proj->inp, proj->scale, proj->bias, t, n, sc);
+    if (pre_norm) {
+        add_norm(h, t, rows, n, NULL, NULL, eps, h1, NULL);        /* h1 = h + P(a) (barrier: omp for) */
+        add_norm(h1, NULL, rows, n, ln2_w, ln2_b, eps, x2, NULL); /* x2 = LN2(h1) */
+    } else {
+        add_norm(h, t, rows, n, ln1_w, ln1_b, eps, h1, sum); /* h1 = LN1(h + P(a)) */
+    }
+    product(pre_norm ? x2 : h1, rows, n, n, fc->w, fc->out, fc->inp, fc->scale, fc->bias, act, inner, sc);
+    gelu_rows(act, rows * inner);
+    product(act, rows, inner, inner, mproj->w, mproj->out, mproj->inp, mproj->scale, mproj->bias, t, n, sc);
+    if (pre_norm)
+        add_norm(h1, t, rows, n, NULL, NULL, eps, y, NULL); /* y = h1 + M(x2) */
+    else
+        add_norm(h1, t, rows, n, ln2_w, ln2_b, eps, y, sum); /* y = LN2(h1 + M(h1)) */
+}
+
 /* y = W LN(x) + b, or W x + b where ln_w is NULL. Returns 0, or 1 (no memory). */
 int hfgpt_int8_norm_linear(const float *x, int64_t rows, int64_t in, const float *ln_w, const float *ln_b,
                            float eps, const uint8_t *w, int64_t out, int64_t inp, const float *scale,
@@ -476,11 +510,9 @@ int hfgpt_int8_norm_linear(const float *x, int64_t rows, int64_t in, const float
         scratch_free(&sc), free(normed);
         return 1;
     }
+    const int8_layer_t layer = {w, out, inp, scale, bias};
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        if (ln_w) add_norm(x, NULL, rows, in, ln_w, ln_b, eps, normed, NULL);
-        product(ln_w ? normed : x, rows, in, in, w, out, inp, scale, bias, y, out, &sc);
-    }
+    norm_linear(x, rows, in, ln_w, ln_b, eps, &layer, normed, y, &sc);
     scratch_free(&sc), free(normed);
     return 0;
 }
@@ -506,24 +538,99 @@ int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t r
         scratch_free(&sc), free(work);
         return 1;
     }
-    float *t = work, *h1 = t + rows * n, *x2 = h1 + rows * n, *sum = x2 + rows * n, *act = sum + rows * n;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    block_tail(attn, h, y, rows, n, pre_norm, ln1_w, ln1_b, ln2_w, ln2_b, eps, &proj, &fc, &mproj, work, &sc);
+    scratch_free(&sc), free(work);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * One decoding step of a whole int8 decoding copy in one call (`int8_model_forward` in quantization.py): the
+ * embeddings, every block as above (`norm_linear`, the attention, `block_tail`) and the final layer norm,
+ * for `rows` sequences of one new token each. The attention is decode_attention.h's `head_decode`, as
+ * attention.c's `hfgpt_attention_decode` computes it, on each layer's cache, into which the step writes the
+ * new keys and values. One parallel region for the whole step, instead of a C call for each half of each
+ * block with torch's attention and Python between them, whose overhead at one row was about as long as the
+ * products themselves.
+ *
+ * ids, positions: [rows] token and position ids (checked by the caller), looked up in wte [vocab][n] and
+ * wpe [positions][n]. layers: LAYER_POINTERS pointers per block, in the order read below (`block_t`).
+ * keys[l], values[l]: block l's cache, [rows][heads][capacity[l]][HEAD_SIZE] floats whose first `past`
+ * positions hold the cached keys and values; the step writes position `past` (< capacity[l]) and attends
+ * positions 0 .. past, those with mask[b * mask_stride + j] != 0 (mask NULL: all). scaling[l]: block l's
+ * attention scale; eps: its layer norms'. lnf_w, lnf_b: the final layer norm (NULL: none, GPT-1's order).
+ * y: [rows][n], the last hidden states. Returns 0, or 1 where scratch memory could not be allocated.
+ */
+#define LAYER_POINTERS 16
+
+typedef struct {
+    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+    int8_layer_t qkv, proj, fc, mproj;
+} block_t;
+
+static block_t block_at(const void *const *p, int64_t n, int64_t inner)
+{
+    const int64_t n_inp = (n + BLOCK - 1) / BLOCK * BLOCK, inner_inp = (inner + BLOCK - 1) / BLOCK * BLOCK;
+    const block_t b = {
+        (const float *)p[0], (const float *)p[1], (const float *)p[2], (const float *)p[3],
+        {(const uint8_t *)p[4], 3 * n, n_inp, (const float *)p[5], (const float *)p[6]},
+        {(const uint8_t *)p[7], n, n_inp, (const float *)p[8], (const float *)p[9]},
+        {(const uint8_t *)p[10], inner, n_inp, (const float *)p[11], (const float *)p[12]},
+        {(const uint8_t *)p[13], n, inner_inp, (const float *)p[14], (const float *)p[15]},
+    };
+    return b;
+}
+
+int hfgpt_int8_decode_step(const int64_t *ids, const int64_t *positions, const float *wte, const float *wpe,
+                           int64_t rows, int64_t n, int64_t heads, int64_t inner, int64_t n_layer, int pre_norm,
+                           float eps, const float *scaling, const void *const *layers, float *const *keys,
+                           float *const *values, const int64_t *capacity, int64_t past, const uint8_t *mask,
+                           int64_t mask_stride, const float *lnf_w, const float *lnf_b, float lnf_eps, float *y,
+                           int threads)
+{
+    if (rows <= 0) return 0;
+    const int64_t keys_seen = past + 1, widest = inner > n ? inner : n;
+    scratch_t sc;
+    /* the hidden states in and out of a block, c_attn's output, the attention's, LN1's, block_tail's work */
+    float *work = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * n + n + n + 4 * n + inner)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * keys_seen));
+    if (!scratch_alloc(&sc, rows, (widest + BLOCK - 1) / BLOCK * BLOCK) || !work || !scores) {
+        scratch_free(&sc), free(work), free(scores);
+        return 1;
+    }
+    float *const first = work, *const second = first + rows * n, *qkv = second + rows * n;
+    float *attn = qkv + rows * 3 * n, *normed = attn + rows * n, *tail = normed + rows * n;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        product(attn, rows, n, n, proj.w, proj.out, proj.inp, proj.scale, proj.bias, t, n, &sc);
-        if (pre_norm) {
-            add_norm(h, t, rows, n, NULL, NULL, eps, h1, NULL);        /* h1 = h + P(a) (barrier: omp for) */
-            add_norm(h1, NULL, rows, n, ln2_w, ln2_b, eps, x2, NULL); /* x2 = LN2(h1) */
-        } else {
-            add_norm(h, t, rows, n, ln1_w, ln1_b, eps, h1, sum); /* h1 = LN1(h + P(a)) */
+        float *h = first, *next = second; /* (each thread's own, swapped alike after each block) */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) h[r * n + i] = wte[ids[r] * n + i] + wpe[positions[r] * n + i];
+        for (int64_t l = 0; l < n_layer; l++) {
+            const block_t b = block_at(layers + l * LAYER_POINTERS, n, inner);
+            norm_linear(h, rows, n, pre_norm ? b.ln1_w : NULL, b.ln1_b, eps, &b.qkv, normed, qkv, &sc);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * heads; t++) {
+                const int64_t r = t / heads, head = t % heads, cap = capacity[l];
+                const float *row = qkv + r * 3 * n + head * HEAD_SIZE;
+                float *k = keys[l] + t * cap * HEAD_SIZE, *v = values[l] + t * cap * HEAD_SIZE;
+                memcpy(k + past * HEAD_SIZE, row + n, sizeof(float) * HEAD_SIZE);
+                memcpy(v + past * HEAD_SIZE, row + 2 * n, sizeof(float) * HEAD_SIZE);
+                head_decode(row, k, HEAD_SIZE, v, HEAD_SIZE, mask ? mask + r * mask_stride : NULL, keys_seen,
+                            scaling[l], scores + t * keys_seen, attn + r * n + head * HEAD_SIZE);
+            }
+            block_tail(attn, h, next, rows, n, pre_norm, b.ln1_w, b.ln1_b, b.ln2_w, b.ln2_b, eps, &b.proj, &b.fc,
+                       &b.mproj, tail, &sc);
+            float *swap = h;
+            h = next, next = swap;
         }
-        product(pre_norm ? x2 : h1, rows, n, n, fc.w, fc.out, fc.inp, fc.scale, fc.bias, act, inner, &sc);
-        gelu_rows(act, rows * inner);
-        product(act, rows, inner, inner, mproj.w, mproj.out, mproj.inp, mproj.scale, mproj.bias, t, n, &sc);
-        if (pre_norm)
-            add_norm(h1, t, rows, n, NULL, NULL, eps, y, NULL); /* y = h1 + M(x2) */
-        else
-            add_norm(h1, t, rows, n, ln2_w, ln2_b, eps, y, sum); /* y = LN2(h1 + M(h1)) */
+        if (lnf_w) {
+            add_norm(h, NULL, rows, n, lnf_w, lnf_b, lnf_eps, y, NULL);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) memcpy(y + r * n, h + r * n, sizeof(float) * (size_t)n);
+        }
     }
-    scratch_free(&sc), free(work);
+    scratch_free(&sc), free(work), free(scores);
     return 0;
 }

@@ -1,0 +1,283 @@
+"""The int8 decoding copy's one-call decoding step (`int8_model_forward`, csrc/int8_linear.c's
+`hfgpt_int8_decode_step`, `torch.ops.hfgpt.int8_decode_step`): the numbers, tokens and cache of the
+block-by-block path, and that path wherever the one call would skip or misread something."""
+
+import pytest
+import torch
+
+from hfgpt.cpu import kernels, native, quantization
+from hfgpt.cpu.cache import grow_in_place
+from hfgpt.cpu.layers import is_kernelized
+from hfgpt.cpu.quantization import Int8Block, int8_model_forward, quantize_for_decoding
+from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
+
+# The final layer norm (GPT-2's) is the kernel's own in the one call and torch's block by block.
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def int8_kernel():
+    if native.kernel("int8_linear") is None:
+        pytest.skip("no C compiler to build the int8 kernel with")
+
+
+def copies(family: str, **overrides) -> tuple[GPTForCausalLM, GPTForCausalLM]:
+    fields = dict(vocab_size=300, n_positions=64, n_embd=128, n_layer=2, n_head=2)
+    if family == "gpt1":
+        fields.update(layer_norm_position="post", bos_token_id=None, eos_token_id=None)
+    else:
+        fields.update(bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(**{**fields, **overrides})).eval()
+    return model, quantize_for_decoding(model)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 300, (3, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :9] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def one_calls(monkeypatch) -> list[int]:
+    """The batch size of each call of the one-call step."""
+    calls = []
+    step = kernels.int8_decode_step
+
+    def recorded(ids, *args):
+        calls.append(ids.numel())
+        return step(ids, *args)
+
+    monkeypatch.setattr(kernels, "int8_decode_step", recorded)
+    return calls
+
+
+@pytest.fixture
+def block_calls(monkeypatch) -> list[bool]:
+    """Whether each `Int8Block` call fused (block-by-block forwards only)."""
+    calls = []
+    fuses = Int8Block.fuses
+
+    def recorded(self, hidden_states):
+        calls.append(fuses(self, hidden_states))
+        return calls[-1]
+
+    monkeypatch.setattr(Int8Block, "fuses", recorded)
+    return calls
+
+
+def block_by_block(monkeypatch) -> None:
+    monkeypatch.setattr(quantization, "decodes_in_one_call", lambda *args: False)
+
+
+def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+            eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+
+
+def test_the_int8_copy_decodes_through_the_one_call_forward():
+    model, int8 = copies("gpt2")
+    assert type(int8.transformer) is GPTModel
+    assert int8.transformer.forward.__func__ is int8_model_forward
+    assert "forward" not in model.transformer.__dict__  # (the float model is left as it was)
+    assert all(type(block) is Int8Block for block in int8.transformer.h)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt1"])
+def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(
+    family, one_calls, block_calls, monkeypatch
+):
+    _, int8 = copies(family)
+    ids, mask = padded_batch()
+    one = greedy(int8, ids, mask)
+    # every step after the prompt in one call, of the whole batch; only the prompt went block by block
+    assert one_calls == [3] * 7
+    assert block_calls == [True, True]
+    block_by_block(monkeypatch)
+    blocks = greedy(int8, ids, mask)
+    assert len(block_calls) == 2 + 2 * 8 and all(block_calls)
+    assert torch.equal(one.sequences, blocks.sequences)
+    for got, expected in zip(one.scores, blocks.scores, strict=True):
+        if family == "gpt1" and is_kernelized(int8):
+            # no final norm, and the blocks' attention on the backend's decode kernel: the same C functions
+            # in the same order, bit for bit
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
+    _, int8 = copies("gpt2")
+    ids, mask = padded_batch()
+
+    def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            out = int8(ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
+            cache, logits = getattr(out, CACHE_FIELD), []
+            for end in range(ids.shape[1] - 3, ids.shape[1]):
+                out = int8(ids[:, end : end + 1], attention_mask=mask[:, : end + 1], cache=cache)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1), [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    logits, cached = decode()
+    block_by_block(monkeypatch)
+    expected_logits, expected_cached = decode()
+    torch.testing.assert_close(logits, expected_logits, **CLOSE)
+    assert [t.shape[2] for t in cached] == [ids.shape[1]] * 4
+    # the keys and values of c_attn's product, written as they are: the first block's always bit for bit,
+    # the next ones' too where the blocks' attention is the backend's decode kernel, as the step's is
+    exact = 4 if is_kernelized(int8) else 2
+    for got, expected in zip(cached[:exact], expected_cached[:exact], strict=True):
+        assert torch.equal(got, expected)
+    for got, expected in zip(cached[exact:], expected_cached[exact:], strict=True):
+        torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_a_step_grows_the_cache_buffers_it_fills(one_calls, monkeypatch):
+    _, int8 = copies("gpt2", n_positions=160)
+    ids = torch.randint(1, 300, (1, 4))
+    one = greedy(int8, ids, torch.ones_like(ids), new=140)  # past the buffers' first spare positions
+    assert len(one_calls) == 139
+    with monkeypatch.context() as patch:
+        block_by_block(patch)
+        blocks = greedy(int8, ids, torch.ones_like(ids), new=140)
+    assert torch.equal(one.sequences, blocks.sequences)
+
+
+@pytest.mark.parametrize(
+    "blocker",
+    [
+        "hook on a block",
+        "hook on ln_f",
+        "hook on c_proj",
+        "training",
+        "gradients",
+        "hidden states asked for",
+        "heads of 32",
+        "static cache",
+        "new token masked",
+    ],
+)
+def test_block_by_block_wherever_the_one_call_would_skip_something(blocker, one_calls, monkeypatch):
+    _, int8 = copies("gpt2", **({"n_embd": 96, "n_head": 3} if blocker == "heads of 32" else {}))
+    ids, mask = padded_batch()
+    seen = []
+    model = int8.transformer
+    if blocker == "hook on a block":
+        model.h[1].register_forward_pre_hook(lambda m, args: seen.append(m))
+    elif blocker == "hook on ln_f":
+        model.ln_f.register_forward_hook(lambda m, args, out: seen.append(m))
+    elif blocker == "hook on c_proj":
+        model.h[0].mlp.c_proj.register_forward_hook(lambda m, args, out: seen.append(m))
+    elif blocker == "training":
+        model.h[0].attn.train()
+    with torch.no_grad():
+        cache = getattr(int8(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
+    step = dict(attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1), cache=cache)
+    token = ids[:, -1:]
+    if blocker == "gradients":
+        model.ln_f.weight.requires_grad_(True)
+        int8(token, **step)
+    elif blocker == "hidden states asked for":
+        with torch.no_grad():
+            out = int8(token, output_hidden_states=True, **step)
+        assert len(out.hidden_states) == 3
+    elif blocker == "static cache":
+        greedy_static = dict(cache_implementation="static", max_new_tokens=3, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            int8.generate(ids, attention_mask=mask, **greedy_static)
+    elif blocker == "new token masked":
+        step["attention_mask"][1, -1] = 0
+        with torch.no_grad():
+            int8(token, **step)
+    else:
+        with torch.no_grad():
+            int8(token, **step)
+    assert one_calls == []
+    if "hook" in blocker:
+        assert len(seen) == 2  # the prompt's forward and the step's
+
+
+def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch):
+    """The one call reads the modules' tensors where they are at each step: a buffer replaced, a hook
+    registered or removed, a module put in training mode after a first step."""
+    _, int8 = copies("gpt2")
+    ids, mask = padded_batch()
+    block = int8.transformer.h[0]
+    bias = block.mlp.c_fc.bias
+
+    def steps(change) -> list[torch.Tensor]:
+        block.mlp.c_fc.bias = bias
+        with torch.no_grad():
+            out = int8(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True)
+            cache = getattr(out, CACHE_FIELD)
+            first = int8(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache).logits
+            change()
+            second = int8(ids[:, -1:], attention_mask=mask, cache=cache).logits
+        return [first, second]
+
+    def new_bias():
+        block.mlp.c_fc.bias = torch.ones_like(bias)
+
+    got = steps(new_bias)
+    assert len(one_calls) == 2
+    with monkeypatch.context() as patch:
+        block_by_block(patch)
+        expected = steps(new_bias)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+    assert not torch.allclose(got[1], steps(lambda: None)[1])  # the new bias changed the step
+    one_calls.clear()
+    seen = []
+    handle = None
+
+    def hook():
+        nonlocal handle
+        handle = block.ln_2.register_forward_hook(lambda m, args, out: seen.append(m))
+
+    steps(hook)
+    assert len(one_calls) == 1 and len(seen) == 1  # the first step in one call, the second through ln_2
+    handle.remove()
+    steps(lambda: block.attn.train())
+    assert len(one_calls) == 2  # the first step only
+    block.attn.eval()
+    steps(lambda: None)
+    assert len(one_calls) == 4
+
+
+@torch.no_grad()  # (the copy's layer norms are parameters: with gradients on, no step would run)
+def test_the_step_operator_refuses_what_the_kernel_would_misread():
+    _, int8 = copies("gpt2")
+    model = int8.transformer
+    ids, mask = padded_batch()
+    cache = getattr(int8(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
+    tensors = quantization._step_tensors(model)
+    grow_in_place(cache)
+    buffers = [layer.reserve(1) for layer in cache.layers]
+    args = dict(
+        ids=ids[:, -1].contiguous(), positions=torch.full((3,), 14), wte=tensors[0], wpe=tensors[1],
+        blocks=tensors[2:34], keys=[k for k, _ in buffers], values=[v for _, v in buffers], past=14,
+        mask=None, scalings=[0.125, 0.125], eps=1e-5, pre_norm=True, final_norm=tensors[34:], final_eps=1e-5,
+    )  # fmt: skip
+    out = kernels.int8_decode_step(**args)
+    assert out.shape == (3, 128) and torch.isfinite(out).all()
+    bad = {
+        "ids": dict(ids=torch.tensor([0, 1, 300])),
+        "positions": dict(positions=torch.tensor([0, 64, 1])),
+        "blocks\\[5\\]": dict(blocks=[*tensors[2:7], tensors[7].double(), *tensors[8:34]]),
+        "layer 2": dict(blocks=[*tensors[2:14], tensors[14][:-1].clone(), *tensors[15:34]]),
+        "16 tensors a block": dict(blocks=tensors[2:33]),
+        "capacity": dict(keys=[k[:, :, :14].contiguous() for k, _ in buffers]),
+        "values\\[1\\]": dict(values=[buffers[0][1], buffers[1][1].transpose(2, 3)]),
+        "mask": dict(mask=torch.ones(3, 14, dtype=torch.bool)),
+        "final norm": dict(final_norm=[tensors[34][:-1], tensors[35]]),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            kernels.int8_decode_step(**{**args, **change})
