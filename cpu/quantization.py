@@ -487,32 +487,30 @@ def decodes_in_one_call(
     tensors = _step_tensors(model)
     if tensors is None:
         return False
+    # a cache of the earlier positions, every layer's keys and values of one shape, in buffers it can grow
     layers, heads = cache.layers, model._modules["wte"].embedding_dim // kernels.HEAD_SIZE
-    if len(layers) != len(model._modules["h"]):
+    keys = getattr(layers[0], "keys", None) if layers else None
+    if len(layers) != len(model._modules["h"]) or type(keys) is not torch.Tensor or keys.dim() != 4:
         return False
-    past = None
+    past = keys.shape[2]
+    shape = (input_ids.shape[0], heads, past, kernels.HEAD_SIZE)
     for layer in layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if (
             type(layer) is not GrowingLayer
-            or not layer.is_initialized
-            or not isinstance(keys, torch.Tensor)
-            or not isinstance(values, torch.Tensor)
-            or keys.dim() != 4
-            or keys.shape != values.shape
-            or tuple(keys.shape[:2]) != (input_ids.shape[0], heads)
-            or keys.shape[3] != kernels.HEAD_SIZE
+            or type(keys) is not torch.Tensor
+            or type(values) is not torch.Tensor
+            or keys.shape != shape
+            or values.shape != shape
             or keys.dtype != torch.float32
             or values.dtype != torch.float32
             or not keys.is_cpu
             or not values.is_cpu
-            or not plain_tensors(keys, values)
             or needs_grad(keys, values)
-            or keys.shape[2] == 0
-            or past not in (None, keys.shape[2])
         ):
             return False
-        past = keys.shape[2]
+    if past == 0:
+        return False
     batch = input_ids.shape[0]
     if attention_mask is not None and not (
         attention_mask.dim() == 2
