@@ -85,6 +85,7 @@ PEER_PACKAGES = {"torchao": "torchao", "ctranslate2": "ctranslate2"}
 # The contenders' names in the figures (a row's `impl`).
 COMPILED = "torch.compile"
 TORCHAO = "torchao int8"
+INT8 = "hfgpt int8"
 INT8_COMPILED = "hfgpt int8 compiled"
 # A compiled decoding step whose logits are further than this (relative) from the same step run eagerly
 # computes something else: its row says so instead of a speed (`step_error`). (An int8 copy's step can be a
@@ -767,10 +768,12 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
                         f"a compiled step's logits off the eager step's by {error:.2g}x their norm"
                     )
                     print(f"[{family} lowp: {name}: {accuracy[name]['wrong']}]", file=sys.stderr)
-    # CTranslate2 is timed in processes of its own (`decoder_alone`); hfgpt's compiled int8 copy, the
-    # contender it is set against, then is too, rather than interleaved here beside four other models.
+    # CTranslate2 is timed in processes of its own (`decoder_alone`); hfgpt's int8 copies, the contenders it
+    # is set against, then are too, rather than interleaved here beside four other models.
     ctranslate2 = ctx.device == "cpu" and "ctranslate2" in ctx.peers and isinstance(peer, GPT2LMHeadModel)
-    alone = [CTRANSLATE2, *([INT8_COMPILED] if INT8_COMPILED in variants else [])] if ctranslate2 else []
+    alone = (
+        [CTRANSLATE2, INT8, *([INT8_COMPILED] if INT8_COMPILED in variants else [])] if ctranslate2 else []
+    )
     fns = {
         name: (lambda d=decoder: _no_grad(d.greedy, prompts, new))
         for name, decoder in variants.items()
@@ -824,13 +827,13 @@ def decoding_accuracy(
 
 
 def decoder_alone(kind: str, family: str, profile_name: str, repeats: int) -> dict[str, Any]:
-    """A decoder of the lowp section (`CTRANSLATE2` or `INT8_COMPILED`) timed `repeats` times in a fresh
-    process of its own (`decoder_worker`): CTranslate2's OpenMP threads, beside torch's in one process, left
-    every other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8 copy
-    13.0 ms a step alone, 22.9 with CTranslate2 loaded), so it is not interleaved with them; and a
+    """A decoder of the lowp section (`CTRANSLATE2`, `INT8` or `INT8_COMPILED`) timed `repeats` times in a
+    fresh process of its own (`decoder_worker`): CTranslate2's OpenMP threads, beside torch's in one process,
+    left every other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8
+    copy 13.0 ms a step alone, 22.9 with CTranslate2 loaded), so it is not interleaved with them; and a
     contender interleaved with four other models in one process ran 5-15% slower than alone (another model
-    compiled in the process, another's weights streamed between its runs), so the int8 copy set against
-    CTranslate2 is timed alone as well. The same weights (`build_ours`'s seed), prompts and accuracy
+    compiled in the process, another's weights streamed between its runs), so the int8 copies set against
+    CTranslate2 are timed alone as well. The same weights (`build_ours`'s seed), prompts and accuracy
     measures as the section's other rows."""
     spec = dict(kind=kind, family=family, profile=profile_name, repeats=repeats)
     return run_worker(kind, {**spec, "threads": torch.get_num_threads()})
@@ -846,7 +849,7 @@ def alone_rounds(family: str, profile_name: str, kinds: list[str], repeats: int)
     if repeats > first:
         for kind in reversed(kinds):
             runs[kind]["times"] += decoder_alone(kind, family, profile_name, repeats - first)["times"]
-    measured = f"alone in fresh processes, in two mirrored rounds with {' and '.join(kinds)}"
+    measured = f"alone in fresh processes, in two mirrored rounds with {', '.join(kinds)}"
     return {kind: {**run, "measured": measured} for kind, run in runs.items()}
 
 
@@ -866,8 +869,8 @@ def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """`decoder_alone`'s process: `repeats` timed greedy runs after an untimed one (which compiles hfgpt's
-    int8 copy), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32 model on the
+    """`decoder_alone`'s process: `repeats` timed greedy runs after an untimed one (which compiles the
+    compiled int8 copy's step), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32 model on the
     same weights."""
     torch.set_num_threads(spec["threads"])
     profile = PROFILES[spec["profile"]]
@@ -884,9 +887,9 @@ def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["accuracy"] = decoding_accuracy(logits, reference, tokens, ref_tokens)
     else:
         int8 = quantize_for_decoding(ours)
-        decoder = module_decoder(int8, **compiled_decoding(int8))
+        decoder = module_decoder(int8, **(compiled_decoding(int8) if spec["kind"] == INT8_COMPILED else {}))
         with torch.inference_mode():
-            decoder.greedy(prompts, new)  # compiles
+            decoder.greedy(prompts, new)  # (compiles the compiled copy's step)
     del ours
     times = []
     with torch.inference_mode():
@@ -1825,7 +1828,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(
                 decoder_worker(spec)
-                if spec.get("kind") in (CTRANSLATE2, INT8_COMPILED)
+                if spec.get("kind") in (CTRANSLATE2, INT8, INT8_COMPILED)
                 else memory_worker(spec)
             )
         )

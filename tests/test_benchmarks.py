@@ -756,7 +756,7 @@ def test_ctranslate2_runs_beside_hfgpts_decoding_copies_in_the_lowp_section(tmp_
 
 
 @pytest.mark.slow
-def test_the_compiled_int8_copy_is_timed_alone_beside_ctranslate2_in_mirrored_rounds(tmp_path, monkeypatch):
+def test_the_int8_copies_are_timed_alone_beside_ctranslate2_in_mirrored_rounds(tmp_path, monkeypatch):
     pytest.importorskip("ctranslate2")
     started = []
     decoder_alone = bench_model.decoder_alone
@@ -768,13 +768,13 @@ def test_the_compiled_int8_copy_is_timed_alone_beside_ctranslate2_in_mirrored_ro
     monkeypatch.setattr(bench_model, "decoder_alone", recorded)
     argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile,ctranslate2"]
     assert bench_model.main([*argv, "--repeats", "3", "--json", str(tmp_path / "figures.json")]) == 0
-    ct2, int8c = bench_model.CTRANSLATE2, bench_model.INT8_COMPILED
-    # A B, then B A: two of the three runs of each in the first round, one in the second
-    assert started == [(ct2, 2), (int8c, 2), (int8c, 1), (ct2, 1)]
+    ct2, int8, int8c = bench_model.CTRANSLATE2, bench_model.INT8, bench_model.INT8_COMPILED
+    # A B C, then C B A: two of the three runs of each in the first round, one in the second
+    assert started == [(ct2, 2), (int8, 2), (int8c, 2), (int8c, 1), (int8, 1), (ct2, 1)]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "figures.json").read_text())["rows"]}
-    assert rows[ct2]["n"] == rows[int8c]["n"] == 3
-    for row in (rows[ct2], rows[int8c]):
-        assert f"with {ct2} and {int8c}" in row["extra"]["measured"] and row["rate"] > 0
+    assert rows[ct2]["n"] == rows[int8]["n"] == rows[int8c]["n"] == 3
+    for row in (rows[ct2], rows[int8], rows[int8c]):
+        assert f"with {ct2}, {int8}, {int8c}" in row["extra"]["measured"] and row["rate"] > 0
     # the copy's accuracy is measured here, as the eager copy's (the same copy, the same tokens)
     assert rows[int8c]["extra"]["max_abs_logit_err"] == rows["hfgpt int8"]["extra"]["max_abs_logit_err"]
     assert rows[ct2]["extra"]["max_abs_logit_err"] > 0
