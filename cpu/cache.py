@@ -66,7 +66,10 @@ class GrowingLayer(DynamicLayer):
     def advance(self, extra: int) -> None:
         """The layer holds the `extra` positions written after its cached ones in `reserve`'s buffers."""
         length = self.keys.shape[-2] + extra
-        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self.keys, self.values = (
+            self._key_buffer.narrow(2, 0, length),
+            self._value_buffer.narrow(2, 0, length),
+        )
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
