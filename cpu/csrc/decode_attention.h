@@ -13,11 +13,12 @@
 
 /* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
  * vst), into out. Keys j with mask[j] == 0 (mask NULL: none) are never read, and neither are their value
- * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats (HEAD_SIZE / LANES
- * vector FMAs, then a sum), then the same exact softmax as head_forward's over the keys attended, then the
- * weighted sum of their value rows, two keys at a time. No key attended: zeros, as sdpa. */
-static inline void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst, const uint8_t *mask,
-                        int64_t T, float scale, float *s, float *o)
+ * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats
+ * (HEAD_SIZE / LANES vector FMAs, then a sum), then the same exact softmax as attention.c's head_forward over
+ * the keys attended, then the weighted sum of their value rows, two keys at a time. No key attended: zeros,
+ * as sdpa. */
+static inline void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst,
+                               const uint8_t *mask, int64_t T, float scale, float *s, float *o)
 {
     vf qv[HEAD_SIZE / LANES];
     for (int c = 0; c < HEAD_SIZE / LANES; c++) qv[c] = vload(q + LANES * c) * scale;
