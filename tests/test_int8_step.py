@@ -112,6 +112,25 @@ def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(
             torch.testing.assert_close(got, expected, **CLOSE)
 
 
+def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkeypatch):
+    """Beam search selects rows of the cache between steps (new tensors, not the buffers' views): the next
+    step copies them into buffers of its own and goes on in one call."""
+    _, int8 = copies("gpt2")
+    ids, mask = padded_batch()
+
+    def beams() -> torch.Tensor:
+        with torch.no_grad():
+            return int8.generate(
+                ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+
+    one = beams()
+    assert one_calls == [9] * 5  # 3 rows of 3 beams, every step after the prompt
+    block_by_block(monkeypatch)
+    assert torch.equal(one, beams())
+
+
 def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
     _, int8 = copies("gpt2")
     ids, mask = padded_batch()
