@@ -4,12 +4,13 @@ block-by-block path, and that path wherever the one call would skip or misread s
 
 import pytest
 import torch
+from test_int8_block import copies, padded_batch  # tests/ is on sys.path
 
 from hfgpt.cpu import kernels, native, quantization
 from hfgpt.cpu.cache import grow_in_place
 from hfgpt.cpu.layers import is_kernelized
-from hfgpt.cpu.quantization import Int8Block, int8_model_forward, quantize_for_decoding
-from hfgpt.modeling import GPTConfig, GPTForCausalLM
+from hfgpt.cpu.quantization import Int8Block, int8_model_forward
+from hfgpt.modeling import GPTForCausalLM
 from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
 
 # The final layer norm (GPT-2's) is the kernel's own in the one call and torch's block by block.
@@ -20,25 +21,6 @@ CLOSE = dict(atol=1e-5, rtol=1e-5)
 def int8_kernel():
     if native.kernel("int8_linear") is None:
         pytest.skip("no C compiler to build the int8 kernel with")
-
-
-def copies(family: str, **overrides) -> tuple[GPTForCausalLM, GPTForCausalLM]:
-    fields = dict(vocab_size=300, n_positions=64, n_embd=128, n_layer=2, n_head=2)
-    if family == "gpt1":
-        fields.update(layer_norm_position="post", bos_token_id=None, eos_token_id=None)
-    else:
-        fields.update(bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = GPTForCausalLM(GPTConfig(**{**fields, **overrides})).eval()
-    return model, quantize_for_decoding(model)
-
-
-def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(1, 300, (3, 14), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, :9] = 0
-    return ids, mask
 
 
 @pytest.fixture
@@ -94,7 +76,7 @@ def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(
     family, one_calls, block_calls, monkeypatch
 ):
     _, int8 = copies(family)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
     one = greedy(int8, ids, mask)
     # every step after the prompt in one call, of the whole batch; only the prompt went block by block
     assert one_calls == [3] * 7
@@ -116,7 +98,7 @@ def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkey
     """Beam search selects rows of the cache between steps (new tensors, not the buffers' views): the next
     step copies them into buffers of its own and goes on in one call."""
     _, int8 = copies("gpt2")
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
 
     def beams() -> torch.Tensor:
         with torch.no_grad():
@@ -133,7 +115,7 @@ def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkey
 
 def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
     _, int8 = copies("gpt2")
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
 
     def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
         with torch.no_grad():
@@ -185,7 +167,7 @@ def test_a_step_grows_the_cache_buffers_it_fills(one_calls, monkeypatch):
 )
 def test_block_by_block_wherever_the_one_call_would_skip_something(blocker, one_calls, monkeypatch):
     _, int8 = copies("gpt2", **({"n_embd": 96, "n_head": 3} if blocker == "heads of 32" else {}))
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
     seen = []
     model = int8.transformer
     if blocker == "hook on a block":
@@ -227,7 +209,7 @@ def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch)
     """The one call reads the modules' tensors where they are at each step: a buffer replaced, a hook
     registered or removed, a module put in training mode after a first step."""
     _, int8 = copies("gpt2")
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
     block = int8.transformer.h[0]
     bias = block.mlp.c_fc.bias
 
@@ -274,7 +256,7 @@ def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch)
 def test_the_step_operator_refuses_what_the_kernel_would_misread():
     _, int8 = copies("gpt2")
     model = int8.transformer
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(300)
     cache = getattr(int8(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
     tensors = quantization._step_tensors(model)
     grow_in_place(cache)
