@@ -870,8 +870,8 @@ def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """`decoder_alone`'s process: `repeats` timed greedy runs after an untimed one (which compiles the
-    compiled int8 copy's step), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32 model on the
-    same weights."""
+    compiled int8 copy's step), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32
+    model on the same weights."""
     torch.set_num_threads(spec["threads"])
     profile = PROFILES[spec["profile"]]
     ours = build_ours(spec["family"], profile["model_overrides"], "cpu").eval()

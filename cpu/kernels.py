@@ -503,13 +503,28 @@ def _(logits: Tensor, lse: Tensor, row_scale: Tensor, targets: Tensor, start: in
 INT8_BLOCK, INT8_TILE = 64, 32
 
 
+_DTYPE, _IS_CPU, _SHAPE = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("is_cpu"),
+    operator.attrgetter("shape"),
+)
+
+
 def _all_contiguous(dtype: torch.dtype, tensors: Iterable[Tensor | None]) -> bool:
     """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: what `_expect` and
-    `_contiguous` check, in one quick pass for the calls a decoding step makes once per layer; where it
-    fails, those name the tensor at fault."""
-    return all(
-        t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()) for t in tensors
+    `_contiguous` check, in one quick pass (C loops over the tensors) for the calls a decoding step makes
+    once per layer, or once for the whole step; where it fails, those name the tensor at fault."""
+    tensors = [t for t in tensors if t is not None]
+    return (
+        set(map(_DTYPE, tensors)) <= {dtype}
+        and all(map(_IS_CPU, tensors))
+        and all(map(Tensor.is_contiguous, tensors))
     )
+
+
+def _packed_shape(width_in: int, width_out: int) -> tuple[int, int, int, int]:
+    """The packed int8 weight's shape for `width_in` inputs and `width_out` outputs."""
+    return (-(-width_out // INT8_TILE), -(-width_in // INT8_BLOCK) * INT8_BLOCK // 4, INT8_TILE, 4)
 
 
 def _expect_int8_layer(
@@ -522,7 +537,7 @@ def _expect_int8_layer(
         _expect(op, torch.float32, scale=scale, bias=bias)
         _contiguous(op, packed=packed, scale=scale, bias=bias)
     out_features = scale.numel()
-    expected = (-(-out_features // INT8_TILE), -(-width // INT8_BLOCK) * INT8_BLOCK // 4, INT8_TILE, 4)
+    expected = _packed_shape(width, out_features)
     if tuple(packed.shape) != expected:
         raise ValueError(
             f"hfgpt::{op}: a packed weight for {width} inputs and {out_features} outputs has shape {expected}, "
@@ -688,33 +703,12 @@ HEAD_SIZE = 64  # the heads the C attention computes (csrc/decode_attention.h)
 _PACKED_AT = frozenset((4, 7, 10, 13))
 
 
-def _quick_fit(dtype: torch.dtype, tensors: list[Tensor]) -> bool:
-    """Whether every tensor is a contiguous `dtype` CPU tensor (as `_all_contiguous`, in C loops)."""
-    return (
-        set(map(_DTYPE, tensors)) <= {dtype}
-        and all(map(_IS_CPU, tensors))
-        and all(map(Tensor.is_contiguous, tensors))
-    )
-
-
-_DTYPE, _IS_CPU, _SHAPE = (
-    operator.attrgetter("dtype"),
-    operator.attrgetter("is_cpu"),
-    operator.attrgetter("shape"),
-)
-
-
 @functools.cache
 def _block_positions(layers: int) -> tuple[Callable, Callable]:
     """Getters of the packed weights and of the float vectors among `layers` blocks' tensors."""
     count = layers * INT8_BLOCK_TENSORS
     packed = [i for i in range(count) if i % INT8_BLOCK_TENSORS in _PACKED_AT]
     return operator.itemgetter(*packed), operator.itemgetter(*(i for i in range(count) if i not in packed))
-
-
-def _packed_shape(width_in: int, width_out: int) -> tuple[int, int, int, int]:
-    """The packed int8 weight's shape for `width_in` inputs and `width_out` outputs."""
-    return (-(-width_out // INT8_TILE), -(-width_in // INT8_BLOCK) * INT8_BLOCK // 4, INT8_TILE, 4)
 
 
 def _name_in_step(t: Tensor, wte: Tensor, wpe: Tensor, *groups: list[Tensor]) -> str:
@@ -782,7 +776,7 @@ def int8_decode_step(
     packed_at, vectors_at = _block_positions(layers)
     packed, vectors = list(packed_at(blocks)), vectors_at(blocks)
     floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
-    if not (_quick_fit(torch.uint8, packed) and _quick_fit(torch.float32, floats)):
+    if not (_all_contiguous(torch.uint8, packed) and _all_contiguous(torch.float32, floats)):
         for dtype, group in ((torch.uint8, packed), (torch.float32, floats)):
             for t in group:
                 name = _name_in_step(t, wte, wpe, blocks, keys, values, final_norm)
@@ -820,11 +814,12 @@ def int8_decode_step(
                         f"needs a packed weight of shape {shape} and {width_out} scales and biases, got "
                         f"{tuple(weight.shape)}, {scale.numel()} and {bias.numel()}"
                     )
+    if heads * HEAD_SIZE != width:
+        raise ValueError(f"hfgpt::{op}: {width} features are not heads of {HEAD_SIZE}")
     expected = (rows, heads, HEAD_SIZE)
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         if (
-            heads * HEAD_SIZE != width
-            or k.dim() != 4
+            k.dim() != 4
             or k.shape != v.shape
             or (k.shape[0], k.shape[1], k.shape[3]) != expected
             or not 0 <= past < k.shape[2]

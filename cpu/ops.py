@@ -323,8 +323,7 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
-        or _global_forward_hooks
-        or _global_forward_pre_hooks
+        or has_global_forward_hooks()
         or _foreign_forward(module)
     )
 

@@ -312,7 +312,7 @@ class Int8Block(GPTBlock):
             and hidden_states.dim() == 3
             and has_storage(hidden_states)
             and plain_tensors(hidden_states)
-            and not (torch.is_grad_enabled() and hidden_states.requires_grad)
+            and not needs_grad(hidden_states)
             and self.fusable(hidden_states.shape[-1])
         )
 
@@ -490,10 +490,15 @@ def decodes_in_one_call(
     # a cache of the earlier positions, every layer's keys and values of one shape, in buffers it can grow
     layers, heads = cache.layers, model._modules["wte"].embedding_dim // kernels.HEAD_SIZE
     keys = getattr(layers[0], "keys", None) if layers else None
-    if len(layers) != len(model._modules["h"]) or type(keys) is not torch.Tensor or keys.dim() != 4:
+    if (
+        len(layers) != len(model._modules["h"])
+        or type(keys) is not torch.Tensor
+        or keys.dim() != 4
+        or keys.shape[2] == 0
+    ):
         return False
-    past = keys.shape[2]
-    shape = (input_ids.shape[0], heads, past, kernels.HEAD_SIZE)
+    batch, past = input_ids.shape[0], keys.shape[2]
+    shape = (batch, heads, past, kernels.HEAD_SIZE)
     for layer in layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if (
@@ -509,9 +514,6 @@ def decodes_in_one_call(
             or needs_grad(keys, values)
         ):
             return False
-    if past == 0:
-        return False
-    batch = input_ids.shape[0]
     if attention_mask is not None and not (
         attention_mask.dim() == 2
         and tuple(attention_mask.shape) == (batch, past + 1)
@@ -542,9 +544,7 @@ def _step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
         model.__dict__[_WATCH] = watch
         if watch is None or not watch.unchanged():  # (hooks or training: the checks leave those to it)
             return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in watch.tensors):
-        return None
-    return watch.tensors
+    return None if needs_grad(*watch.tensors) else watch.tensors
 
 
 def _kernel_computes(model: GPTModel) -> bool:
@@ -561,7 +561,12 @@ def _kernel_computes(model: GPTModel) -> bool:
         or wpe.max_norm is not None
         or wpe.embedding_dim != width
         or width % kernels.HEAD_SIZE
-        or not all(_float32_table(embedding.weight, width) for embedding in (wte, wpe))
+        or not all(
+            e.weight.dim() == 2
+            and _float32_vector(e.weight, (e.weight.shape[0], width))
+            and plain_tensors(e.weight)
+            for e in (wte, wpe)
+        )
     ):
         return False
     if ln_f is not None and not (
@@ -577,7 +582,7 @@ def _kernel_computes(model: GPTModel) -> bool:
     if not blocks or any(type(block) is not Int8Block for block in blocks):
         return False
     # (code the step would not run: the blocks' parts are `fusable`'s to check)
-    if any(has_forward_hooks(m) for m in (wte, wpe, modules["drop"], *blocks) + ((ln_f,) if ln_f else ())):
+    if any(m is not None and has_forward_hooks(m) for m in (wte, wpe, modules["drop"], ln_f, *blocks)):
         return False
     first = blocks[0]
     eps, inner = first.ln_1.eps, first.mlp.c_fc.out_features
@@ -722,19 +727,6 @@ class _StepWatch:
             and not any(attributes["training"] for attributes in self.modal)
             and not has_global_forward_hooks()
         )
-
-
-def _float32_table(weight: torch.Tensor, width: int) -> bool:
-    """A contiguous float32 CPU embedding table of `width` columns, which the kernel reads as an array."""
-    return (
-        weight.dtype == torch.float32
-        and weight.dim() == 2
-        and weight.shape[1] == width
-        and weight.is_contiguous()
-        and weight.is_cpu
-        and plain_tensors(weight)
-        and has_storage(weight)
-    )
 
 
 def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:
