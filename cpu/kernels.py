@@ -696,6 +696,8 @@ def int8_fused_available() -> bool:
 # bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales
 # and bias.
 INT8_BLOCK_TENSORS = 16
+# ... and in `float_decode_step`'s (csrc/row_product.c's): the same, each layer as weight and bias.
+FLOAT_BLOCK_TENSORS = 12
 HEAD_SIZE = 64  # the heads the C attention computes (csrc/decode_attention.h)
 
 
@@ -712,7 +714,7 @@ def _block_positions(layers: int) -> tuple[Callable, Callable]:
 
 
 def _name_in_step(t: Tensor, wte: Tensor, wpe: Tensor, *groups: list[Tensor]) -> str:
-    """How `int8_decode_step`'s error names tensor `t`: wte, wpe, or its list and index there."""
+    """How a decoding step's error names tensor `t`: wte, wpe, or its list and index there."""
     if t is wte or t is wpe:
         return "wte" if t is wte else "wpe"
     for name, group in zip(("blocks", "keys", "values", "final_norm"), groups, strict=True):
@@ -731,8 +733,9 @@ def _check_ids(op: str, name: str, ids: Tensor, size: int, rows: int) -> None:
         raise ValueError(f"hfgpt::{op}: {name} holds ids outside [0, {size}): {int(low)} .. {int(high)}")
 
 
-@_decoding_op(mutates_args=("keys", "values"))
-def int8_decode_step(
+def _check_step(
+    op: str,
+    per_block: int,
     ids: Tensor,
     positions: Tensor,
     wte: Tensor,
@@ -743,41 +746,27 @@ def int8_decode_step(
     past: int,
     mask: Tensor | None,
     scalings: list[float],
-    eps: float,
-    pre_norm: bool,
     final_norm: list[Tensor],
-    final_eps: float,
-) -> Tensor:
-    """One decoding step of an int8 decoding copy in one call (`int8_model_forward` in `hfgpt.cpu.quantization`,
-    csrc/int8_linear.c): token `ids` at `positions` (B each) embedded with `wte` and `wpe`; every block (ln_1
-    and c_attn, the attention on the block's cache, c_proj, the residual sums, ln_2 and the MLP, GPT-1's
-    post-norms where not `pre_norm`); then the final layer norm (`final_norm`: its weight and bias, or
-    empty). Returns the (B, n) last hidden states.
-
-    `blocks`: `INT8_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the
-    attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales and bias. `keys[l]`,
-    `values[l]`: block l's cache, contiguous (B, H, capacity, 64) buffers whose first `past` positions hold
-    the cached keys and values: the step writes position `past` into them and attends positions 0 to
-    `past`, those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero. `scalings[l]`: block
-    l's attention scale; `eps`: its layer norms'."""
-    op = "int8_decode_step"
+    types: dict[torch.dtype, list[Tensor]],
+) -> tuple[int, int]:
+    """What a decoding step's C code (`int8_decode_step`, `float_decode_step`) would misread, but for each
+    block's own shapes: raises a ValueError naming the argument at fault. `types`: the tensors of each
+    dtype, each one contiguous (the embeddings, caches and final norm among the float32 ones). Returns the
+    rows and the width."""
     layers, rows = len(keys), ids.numel()
     if layers == 0 or len(values) != layers or len(scalings) != layers:
         raise ValueError(
             f"hfgpt::{op}: {layers} key buffers, {len(values)} value buffers, {len(scalings)} scales"
         )
-    if len(blocks) != INT8_BLOCK_TENSORS * layers or len(final_norm) not in (0, 2):
+    if len(blocks) != per_block * layers or len(final_norm) not in (0, 2):
         raise ValueError(
-            f"hfgpt::{op}: needs {INT8_BLOCK_TENSORS} tensors a block ({len(blocks)} for {layers} blocks) "
+            f"hfgpt::{op}: needs {per_block} tensors a block ({len(blocks)} for {layers} blocks) "
             f"and 0 or 2 final norm tensors ({len(final_norm)})"
         )
     # (one quick pass over every tensor, as a step runs once per token; where it fails, the loop after it
     # names the tensor at fault)
-    packed_at, vectors_at = _block_positions(layers)
-    packed, vectors = list(packed_at(blocks)), vectors_at(blocks)
-    floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
-    if not (_all_contiguous(torch.uint8, packed) and _all_contiguous(torch.float32, floats)):
-        for dtype, group in ((torch.uint8, packed), (torch.float32, floats)):
+    if not all(_all_contiguous(dtype, group) for dtype, group in types.items()):
+        for dtype, group in types.items():
             for t in group:
                 name = _name_in_step(t, wte, wpe, blocks, keys, values, final_norm)
                 _expect(op, dtype, **{name: t})
@@ -788,32 +777,6 @@ def int8_decode_step(
     heads = width // HEAD_SIZE
     _check_ids(op, "ids", ids, wte.shape[0], rows)
     _check_ids(op, "positions", positions, wpe.shape[0], rows)
-    inner = blocks[11].numel()  # (c_fc's scales)
-    # (c_attn, the attention's c_proj, c_fc, the MLP's c_proj: inputs, outputs and packed shape)
-    shapes = [(width_in, width_out, _packed_shape(width_in, width_out)) for width_in, width_out in (
-        (width, 3 * width), (width, width), (width, inner), (inner, width)
-    )]  # fmt: skip
-    # (every block's packed shapes and vector sizes compared in C loops first; the loop names the one at fault)
-    sizes = [width] * 4 + [size for _, width_out, _ in shapes for size in (width_out, width_out)]
-    if (
-        list(map(_SHAPE, packed)) != [shape for _, _, shape in shapes] * layers
-        or list(map(Tensor.numel, vectors)) != sizes * layers
-    ):
-        for layer in range(layers):
-            block = blocks[INT8_BLOCK_TENSORS * layer : INT8_BLOCK_TENSORS * (layer + 1)]
-            for index, norm in enumerate(block[:4]):
-                if norm.numel() != width:
-                    raise ValueError(
-                        f"hfgpt::{op}: block {layer}'s norm tensor {index} holds {norm.numel()} values for {width}"
-                    )
-            for index, (width_in, width_out, shape) in enumerate(shapes):
-                weight, scale, bias = block[4 + 3 * index : 7 + 3 * index]
-                if weight.shape != shape or scale.numel() != width_out or bias.numel() != width_out:
-                    raise ValueError(
-                        f"hfgpt::{op}: block {layer}'s layer {index} ({width_in} inputs, {width_out} outputs) "
-                        f"needs a packed weight of shape {shape} and {width_out} scales and biases, got "
-                        f"{tuple(weight.shape)}, {scale.numel()} and {bias.numel()}"
-                    )
     if heads * HEAD_SIZE != width:
         raise ValueError(f"hfgpt::{op}: {width} features are not heads of {HEAD_SIZE}")
     expected = (rows, heads, HEAD_SIZE)
@@ -839,13 +802,38 @@ def int8_decode_step(
             raise ValueError(
                 f"hfgpt::{op}: mask must be ({rows}, {past + 1}) with contiguous rows, got {tuple(mask.shape)}"
             )
+    return rows, width
+
+
+def _run_step(
+    library: str,
+    op: str,
+    ids: Tensor,
+    positions: Tensor,
+    wte: Tensor,
+    wpe: Tensor,
+    inner: int,
+    blocks: list[Tensor],
+    keys: list[Tensor],
+    values: list[Tensor],
+    past: int,
+    mask: Tensor | None,
+    scalings: list[float],
+    eps: float,
+    pre_norm: bool,
+    final_norm: list[Tensor],
+    final_eps: float,
+) -> Tensor:
+    """Call csrc/{library}.c's `hfgpt_{op}` (decode_step.h's arguments) on checked arguments."""
+    rows, width = ids.numel(), wte.shape[1]
+    layers = len(keys)
     out = wte.new_empty(rows, width)
-    status = _library("int8_linear").hfgpt_int8_decode_step(
-        ids.data_ptr(), positions.data_ptr(), wte.data_ptr(), wpe.data_ptr(), rows, width, heads, inner, layers,
-        int(pre_norm), eps, (ctypes.c_float * layers)(*scalings), _pointers(blocks), _pointers(keys),
-        _pointers(values), (ctypes.c_int64 * layers)(*(k.shape[2] for k in keys)), past, _pointer(mask),
-        0 if mask is None else mask.stride(0), *(_pointer(t) for t in final_norm or (None, None)), final_eps,
-        out.data_ptr(), torch.get_num_threads(),
+    status = getattr(_library(library), f"hfgpt_{op}")(
+        ids.data_ptr(), positions.data_ptr(), wte.data_ptr(), wpe.data_ptr(), rows, width, width // HEAD_SIZE,
+        inner, layers, int(pre_norm), eps, (ctypes.c_float * layers)(*scalings), _pointers(blocks),
+        _pointers(keys), _pointers(values), (ctypes.c_int64 * layers)(*(k.shape[2] for k in keys)), past,
+        _pointer(mask), 0 if mask is None else mask.stride(0), *(_pointer(t) for t in final_norm or (None, None)),
+        final_eps, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError(
@@ -854,6 +842,158 @@ def int8_decode_step(
     return out
 
 
+@_decoding_op(mutates_args=("keys", "values"))
+def int8_decode_step(
+    ids: Tensor,
+    positions: Tensor,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: list[Tensor],
+    keys: list[Tensor],
+    values: list[Tensor],
+    past: int,
+    mask: Tensor | None,
+    scalings: list[float],
+    eps: float,
+    pre_norm: bool,
+    final_norm: list[Tensor],
+    final_eps: float,
+) -> Tensor:
+    """One decoding step of an int8 decoding copy in one call (`hfgpt.cpu.decoding`, csrc/int8_linear.c):
+    token `ids` at `positions` (B each) embedded with `wte` and `wpe`; every block (ln_1 and c_attn, the
+    attention on the block's cache, c_proj, the residual sums, ln_2 and the MLP, GPT-1's post-norms where
+    not `pre_norm`); then the final layer norm (`final_norm`: its weight and bias, or empty). Returns the
+    (B, n) last hidden states.
+
+    `blocks`: `INT8_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the
+    attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales and bias. `keys[l]`,
+    `values[l]`: block l's cache, contiguous (B, H, capacity, 64) buffers whose first `past` positions hold
+    the cached keys and values: the step writes position `past` into them and attends positions 0 to
+    `past`, those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero. `scalings[l]`: block
+    l's attention scale; `eps`: its layer norms'."""
+    op, layers = "int8_decode_step", len(keys)
+    packed_at, vectors_at = _block_positions(max(layers, 1))
+    grouped = len(blocks) == INT8_BLOCK_TENSORS * layers and layers > 0
+    packed, vectors = (list(packed_at(blocks)), vectors_at(blocks)) if grouped else ([], blocks)
+    floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
+    types = {torch.uint8: packed, torch.float32: floats}
+    _, width = _check_step(
+        op,
+        INT8_BLOCK_TENSORS,
+        ids,
+        positions,
+        wte,
+        wpe,
+        blocks,
+        keys,
+        values,
+        past,
+        mask,
+        scalings,
+        final_norm,
+        types,
+    )
+    inner = blocks[11].numel()  # (c_fc's scales)
+    # (c_attn, the attention's c_proj, c_fc, the MLP's c_proj: inputs, outputs and packed shape)
+    shapes = [(width_in, width_out, _packed_shape(width_in, width_out)) for width_in, width_out in (
+        (width, 3 * width), (width, width), (width, inner), (inner, width)
+    )]  # fmt: skip
+    # (every block's packed shapes and vector sizes compared in C loops first; the loop names the one at fault)
+    sizes = [width] * 4 + [size for _, width_out, _ in shapes for size in (width_out, width_out)]
+    if (
+        list(map(_SHAPE, packed)) != [shape for _, _, shape in shapes] * layers
+        or list(map(Tensor.numel, vectors)) != sizes * layers
+    ):
+        for layer in range(layers):
+            block = blocks[INT8_BLOCK_TENSORS * layer : INT8_BLOCK_TENSORS * (layer + 1)]
+            _check_norms(op, layer, block[:4], width)
+            for index, (width_in, width_out, shape) in enumerate(shapes):
+                weight, scale, bias = block[4 + 3 * index : 7 + 3 * index]
+                if weight.shape != shape or scale.numel() != width_out or bias.numel() != width_out:
+                    raise ValueError(
+                        f"hfgpt::{op}: block {layer}'s layer {index} ({width_in} inputs, {width_out} outputs) "
+                        f"needs a packed weight of shape {shape} and {width_out} scales and biases, got "
+                        f"{tuple(weight.shape)}, {scale.numel()} and {bias.numel()}"
+                    )
+    return _run_step(
+        "int8_linear", op, ids, positions, wte, wpe, inner, blocks, keys, values, past, mask, scalings, eps,
+        pre_norm, final_norm, final_eps,
+    )  # fmt: skip
+
+
+def _check_norms(op: str, layer: int, norms: list[Tensor], width: int) -> None:
+    for index, norm in enumerate(norms):
+        if norm.numel() != width:
+            raise ValueError(
+                f"hfgpt::{op}: block {layer}'s norm tensor {index} holds {norm.numel()} values for {width}"
+            )
+
+
 @torch.library.register_fake("hfgpt::int8_decode_step")
+def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
+    return wte.new_empty(ids.numel(), wte.shape[1])
+
+
+@_decoding_op(mutates_args=("keys", "values"))
+def float_decode_step(
+    ids: Tensor,
+    positions: Tensor,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: list[Tensor],
+    keys: list[Tensor],
+    values: list[Tensor],
+    past: int,
+    mask: Tensor | None,
+    scalings: list[float],
+    eps: float,
+    pre_norm: bool,
+    final_norm: list[Tensor],
+    final_eps: float,
+) -> Tensor:
+    """`int8_decode_step` for a float32 model (`hfgpt.cpu.decoding`, csrc/row_product.c): `blocks` holds
+    `FLOAT_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the attention's
+    c_proj, c_fc and the MLP's c_proj, each as its Conv1D weight `[in, out]` and bias."""
+    op, layers = "float_decode_step", len(keys)
+    types = {torch.float32: [wte, wpe, *keys, *values, *final_norm, *blocks]}
+    _, width = _check_step(
+        op,
+        FLOAT_BLOCK_TENSORS,
+        ids,
+        positions,
+        wte,
+        wpe,
+        blocks,
+        keys,
+        values,
+        past,
+        mask,
+        scalings,
+        final_norm,
+        types,
+    )
+    inner = blocks[9].numel()  # (c_fc's bias)
+    shapes = [(width, 3 * width), (width, width), (width, inner), (inner, width)]
+    expected = [(width,)] * 4 + [
+        shape for width_in, width_out in shapes for shape in ((width_in, width_out), (width_out,))
+    ]
+    if list(map(_SHAPE, blocks)) != expected * layers:
+        for layer in range(layers):
+            block = blocks[FLOAT_BLOCK_TENSORS * layer : FLOAT_BLOCK_TENSORS * (layer + 1)]
+            _check_norms(op, layer, block[:4], width)
+            for index, (width_in, width_out) in enumerate(shapes):
+                weight, bias = block[4 + 2 * index : 6 + 2 * index]
+                if weight.shape != (width_in, width_out) or bias.shape != (width_out,):
+                    raise ValueError(
+                        f"hfgpt::{op}: block {layer}'s layer {index} needs a ({width_in}, {width_out}) weight and "
+                        f"{width_out} biases, got {tuple(weight.shape)} and {tuple(bias.shape)}"
+                    )
+    return _run_step(
+        "row_product", op, ids, positions, wte, wpe, inner, blocks, keys, values, past, mask, scalings, eps,
+        pre_norm, final_norm, final_eps,
+    )  # fmt: skip
+
+
+@torch.library.register_fake("hfgpt::float_decode_step")
 def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
     return wte.new_empty(ids.numel(), wte.shape[1])

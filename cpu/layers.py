@@ -19,7 +19,9 @@ What is swapped:
   asked for `sdpa`): causal attention in bands of query rows, on the C kernel where it is built;
 - the LM head (`lm_head_forward`) and, in `GPTForCausalLM` with labels, the head and its loss together
   (`causal_lm_forward`): no vocabulary-wide gradient held at once, the gradient handed to the tied
-  embeddings; GPT-1's auxiliary LM loss likewise (`auxiliary_lm_loss`).
+  embeddings; GPT-1's auxiliary LM loss likewise (`auxiliary_lm_loss`);
+- `GPTModel.forward` (`model_forward`): a decoding step of the whole model in one call into C
+  (`hfgpt.cpu.decoding`).
 """
 
 import functools
@@ -41,6 +43,7 @@ from hfgpt.modeling import modeling_hfgpt
 from hfgpt.modeling.modeling_hfgpt import (
     GPTMLP,
     GPTAttention,
+    GPTBlock,
     GPTDoubleHeadsModel,
     GPTForCausalLM,
     GPTForSequenceClassification,
@@ -48,7 +51,7 @@ from hfgpt.modeling.modeling_hfgpt import (
     GPTPreTrainedModel,
 )
 
-from . import ops
+from . import decoding, kernels, ops
 from .cache import grow_in_place
 
 ATTENTION = "hfgpt_cpu"
@@ -320,6 +323,66 @@ def train_forward(self: GPTPreTrainedModel, mode: bool = True) -> GPTPreTrainedM
     return nn.Module.train(self, mode)
 
 
+# --- a decoding step in one call ------------------------------------------------------------------------
+
+
+def _float_block_computes(block: GPTBlock, width: int) -> bool:
+    """Whether `torch.ops.hfgpt.float_decode_step` computes what `block` (a plain `GPTBlock`) would for
+    hidden states of `width`: inference (no module training), Conv1D layers of float32 weights and biases
+    that need no gradient, affine layer norms of one epsilon, the tanh GELU, attention as the config names
+    it or the backend's, and no hook or foreign forward on a module the step would not call."""
+    modules = block._modules
+    attn, mlp, ln_1, ln_2 = modules["attn"], modules["mlp"], modules["ln_1"], modules["ln_2"]
+    if type(attn) is not GPTAttention or type(mlp) is not GPTMLP:
+        return False
+    layers = (attn._modules["c_attn"], attn._modules["c_proj"], mlp._modules["c_fc"], mlp._modules["c_proj"])
+    if any(type(layer) is not Conv1D for layer in layers):
+        return False
+    dropouts = (attn._modules["resid_dropout"], mlp._modules["dropout"])
+    inner = layers[2].nf
+    shapes = ((width, 3 * width), (width, width), (width, inner), (inner, width))
+    norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
+    tensors = [*norms, *(t for layer in layers for t in (layer.weight, layer.bias))]
+    interface = attn.__dict__.get("attention_interface")
+    return not (
+        block.training
+        or attn.training
+        or mlp.training
+        or not all(
+            ops.float32_vector(layer.weight, shape)
+            and layer.bias is not None
+            and ops.float32_vector(layer.bias, shape[1:])
+            for layer, shape in zip(layers, shapes, strict=True)
+        )
+        or mlp.act is not modeling_hfgpt.gelu_tanh
+        or type(ln_1) is not nn.LayerNorm
+        or type(ln_2) is not nn.LayerNorm
+        or len(norms) != 4
+        or any(p is None for p in norms)
+        or ln_1.eps != ln_2.eps
+        or not all(ops.float32_vector(p, (width,)) for p in norms)
+        or not ops.plain_tensors(*tensors)
+        or ops.needs_grad(*tensors)
+        or (interface is not None and getattr(interface, "__func__", None) is not attention_function)
+        or any(ops.has_forward_hooks(module) for module in (attn, mlp, ln_1, ln_2, *layers, *dropouts))
+    )
+
+
+decoding.STEP_KINDS[GPTBlock] = decoding.StepKind(
+    layer_tensors=("weight", "bias"),
+    computes=_float_block_computes,
+    inner=lambda block: block.mlp.c_fc.nf,
+    available=lambda: kernels.available("row_product"),
+    step="float_decode_step",
+)
+
+
+@functools.wraps(GPTModel.forward)
+def model_forward(self: GPTModel, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+    """`GPTModel.forward`, whose float32 decoding steps run in one call into C (`hfgpt.cpu.decoding`)."""
+    return decoding.one_call_forward(self, *args, **kwargs)
+
+
 # --- kernelize ----------------------------------------------------------------------------------------
 
 
@@ -329,7 +392,15 @@ def _swap(module: nn.Module, name: str, function: Callable) -> None:
 
 _SWAPPED = ("forward", "attention_interface", "_auxiliary_lm_loss", "train")
 ops.CPU_FORWARDS.update(
-    {conv1d_forward, mlp_forward, dropout_forward, lm_head_forward, causal_lm_forward, train_forward}
+    {
+        conv1d_forward,
+        mlp_forward,
+        dropout_forward,
+        lm_head_forward,
+        causal_lm_forward,
+        train_forward,
+        model_forward,
+    }
 )
 
 
@@ -359,6 +430,8 @@ def kernelize(model: nn.Module) -> nn.Module:
                     _swap(block.mlp, "forward", mlp_forward)
                 if type(block.attn) is GPTAttention and "attention_interface" not in block.attn.__dict__:
                     _swap(block.attn, "attention_interface", attention_function)
+            if type(module) is GPTModel:
+                _swap(module, "forward", model_forward)
         if isinstance(module, GPTPreTrainedModel):
             if isinstance(module, GPTForCausalLM | GPTDoubleHeadsModel):
                 head = module.lm_head

@@ -56,6 +56,14 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LAYOUT_VERSION = 2  # hfgpt_int8_layout_version() of csrc/int8_linear.c
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# A whole decoding step (csrc/decode_step.h), int8 or float32: ids, positions, wte, wpe, rows, n, heads, inner,
+# layers, pre_norm, eps, scalings, layer pointers, key buffers, value buffers, capacities, past, mask, mask
+# stride, ln_f weight, bias, eps, y, threads
+_DECODE_STEP = (
+    ctypes.c_int,
+    [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float, _P, _P, _P, _P, _P]
+    + [_I64, _P, _I64, _P, _P, ctypes.c_float, _P, ctypes.c_int],
+)
 # name -> (restype, argtypes) of every function a library must export
 SIGNATURES = {
     "int8_linear": {
@@ -81,13 +89,8 @@ SIGNATURES = {
             [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P, ctypes.c_float]
             + [_P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, ctypes.c_int],
         ),
-        # ids, positions, wte, wpe, rows, n, heads, inner, layers, pre_norm, eps, scalings, layer pointers,
-        # key buffers, value buffers, capacities, past, mask, mask stride, ln_f weight, bias, eps, y, threads
-        "hfgpt_int8_decode_step": (
-            ctypes.c_int,
-            [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float, _P, _P, _P, _P, _P]
-            + [_I64, _P, _I64, _P, _P, ctypes.c_float, _P, ctypes.c_int],
-        ),
+        # (`_DECODE_STEP`)
+        "hfgpt_int8_decode_step": _DECODE_STEP,
     },
     "attention": {
         # q, k, v, out, B, H, T, q strides, k strides, v strides, out strides, scale, threads
@@ -134,6 +137,7 @@ SIGNATURES = {
         "hfgpt_row_product": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
         # x, w, in, out, bias, y, scratch, threads
         "hfgpt_row_conv1d": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int]),
+        "hfgpt_float_decode_step": _DECODE_STEP,
     },
     "dropout": {
         # keep, n, seed, threshold, threads

@@ -306,6 +306,29 @@ def float32_outside_autocast(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
 
 
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory a kernel can read (functorch's vmap and grad wrappers have none). While
+    torch.compile traces, yes: the compiled graph calls the kernels' operators on the real tensors."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        tensor.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def float32_vector(tensor: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """A contiguous float32 CPU tensor of `shape`: what a kernel reads as a plain array of floats."""
+    return (
+        tensor.dtype == torch.float32
+        and tuple(tensor.shape) == shape
+        and tensor.is_contiguous()
+        and tensor.is_cpu
+        and has_storage(tensor)
+    )
+
+
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 

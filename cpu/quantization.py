@@ -8,7 +8,6 @@ agreement) beside float32.
 """
 
 import copy
-import operator
 from collections.abc import Callable
 from types import MethodType
 from typing import Any, NoReturn
@@ -16,29 +15,22 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling.modeling_hfgpt import (
-    CACHE_FIELD,
-    GPTBlock,
-    GPTModel,
-    GPTPreTrainedModel,
-    _cache_argument,
-)
+from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTModel, GPTPreTrainedModel
 from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
 from . import kernels
-from .cache import GrowingLayer, grow_in_place
+from .decoding import STEP_KINDS, StepKind, one_call_forward
 from .huge_pages import gather_into_huge_pages
 from .ops import (
     FEW_ROWS,
     fast_product_applies,
     few_rows_product,
+    float32_vector,
     gelu_tanh,
     has_forward_hooks,
-    has_global_forward_hooks,
+    has_storage,
     needs_grad,
     one_row_bfloat16,
     onednn_bfloat16_runs,
@@ -119,29 +111,6 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = F.pad(x.to(torch.float32), (0, _round_up(width, INT8_BLOCK) - width))  # (out of place: vmap)
     q, scale = _symmetric_int8(padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK))
     return q.view(padded.shape), scale.squeeze(-1)
-
-
-def has_storage(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` has memory a kernel can read (functorch's vmap and grad wrappers have none). While
-    torch.compile traces, yes: the compiled graph calls the kernels' operators on the real tensors."""
-    if torch.compiler.is_compiling():
-        return True
-    try:
-        tensor.data_ptr()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _float32_vector(tensor: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    """A contiguous float32 CPU tensor of `shape`: what a kernel reads as a plain array of floats."""
-    return (
-        tensor.dtype == torch.float32
-        and tuple(tensor.shape) == shape
-        and tensor.is_contiguous()
-        and tensor.is_cpu
-        and has_storage(tensor)
-    )
 
 
 class Int8Linear(nn.Module):
@@ -262,8 +231,8 @@ class Int8Linear(nn.Module):
             packed.dtype == torch.uint8
             and tuple(packed.shape) == self.packed_shape
             and packed.is_contiguous()
-            and _float32_vector(scale, out)
-            and (bias is None or _float32_vector(bias, out))
+            and float32_vector(scale, out)
+            and (bias is None or float32_vector(bias, out))
             and has_storage(packed)
         )
 
@@ -340,7 +309,7 @@ class Int8Block(GPTBlock):
             or ln_1.eps != ln_2.eps
             or ln_1.normalized_shape != (width,)
             or ln_2.normalized_shape != (width,)
-            or not all(_float32_vector(p, (width,)) for p in norms)  # the kernel reads them as arrays
+            or not all(float32_vector(p, (width,)) for p in norms)  # the kernel reads them as arrays
             or not all(layer.buffers_fit_kernel() for layer in (c_attn, c_proj, c_fc, mlp_proj))
             or needs_grad(*norms)
             or torch.is_autocast_enabled("cpu")
@@ -401,332 +370,15 @@ def _kernel_layer(layer: Int8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.
     return buffers["packed"], buffers["scale"], buffers["bias"]
 
 
-def int8_model_forward(
-    self: GPTModel,
-    input_ids: torch.LongTensor | None = None,
-    cache: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    token_type_ids: torch.LongTensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    **kwargs: Any,
-) -> BaseModelOutputWithPast:
-    """`GPTModel.forward` of an int8 decoding copy (set on the instance by `quantize_for_decoding`), whose
-    decoding steps run in one call of hfgpt's C kernel (`torch.ops.hfgpt.int8_decode_step`,
-    csrc/int8_linear.c): the embeddings, every block with its attention on the cache, and the final layer
-    norm, one parallel region for the whole step.
-
-    Block by block, a step of GPT-2 makes about 40 calls into C and torch with Python between them (the
-    checks, the attention's reshapes, the cache's writes), which at one row took about as long as the
-    products themselves. The step's attention is the CPU backend's decode attention (the C function that
-    `hfgpt_attention_decode` runs) and its blocks are `Int8Block`'s fused kernels, so it computes the same
-    numbers as the block-by-block path where that path runs those.
-
-    It runs where a forward is one decoding step that the kernel computes exactly as `GPTModel.forward`
-    would (`decodes_in_one_call`): one new token per sequence, given as ids, on top of a plain
-    `DynamicCache` of the earlier positions (as `generate()` passes it), with a 2-D attention mask or none,
-    no hook, no gradient, no training, no output of attentions or hidden states, outside compilation, every
-    block an `Int8Block` that fuses, heads of 64. Everything else (a prompt, a static cache, ...) runs
-    `GPTModel.forward`."""
-    cache = _cache_argument(cache, kwargs)
-    if inputs_embeds is None and token_type_ids is None:
-        grow_in_place(cache)  # (a plain DynamicCache's layers made `GrowingLayer`s, as the CPU backend does)
-        if decodes_in_one_call(self, input_ids, cache, attention_mask, position_ids, use_cache, kwargs):
-            outputs = _decoding_step(self, input_ids, cache, attention_mask, position_ids)
-            if outputs is not None:
-                return outputs
-    return GPTModel.forward(
-        self,
-        input_ids,
-        cache,
-        attention_mask,
-        token_type_ids,
-        position_ids,
-        inputs_embeds,
-        use_cache,
-        **kwargs,
-    )
-
-
-def decodes_in_one_call(
-    model: GPTModel,
-    input_ids: torch.Tensor | None,
-    cache: Any,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    use_cache: bool | None,
-    kwargs: dict[str, Any],
-) -> bool:
-    """Whether `int8_decode_step` computes this forward of `model` as `GPTModel.forward` would (see
-    `int8_model_forward`)."""
-    config = model.config
-    return_dict = kwargs.get("return_dict")
-    if (
-        input_ids is None
-        or input_ids.dim() != 2
-        or input_ids.shape[1] != 1
-        or input_ids.dtype != torch.int64
-        or not input_ids.is_cpu
-        or not plain_tensors(input_ids)
-        or not has_storage(input_ids)
-        or type(cache) is not DynamicCache
-        or not (use_cache or (use_cache is None and config.use_cache))
-        or any(key != "return_dict" for key in kwargs)
-        or not (config.return_dict if return_dict is None else return_dict)
-        or config.output_attentions
-        or config.output_hidden_states
-        or config._attn_implementation not in ("sdpa", "eager")
-        or model.training
-        or torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or torch.is_autocast_enabled("cpu")
-        or not kernels.int8_fused_available()
-    ):
-        return False
-    tensors = _step_tensors(model)
-    if tensors is None:
-        return False
-    # a cache of the earlier positions, every layer's keys and values of one shape, in buffers it can grow
-    layers, heads = cache.layers, model._modules["wte"].embedding_dim // kernels.HEAD_SIZE
-    keys = getattr(layers[0], "keys", None) if layers else None
-    if (
-        len(layers) != len(model._modules["h"])
-        or type(keys) is not torch.Tensor
-        or keys.dim() != 4
-        or keys.shape[2] == 0
-    ):
-        return False
-    batch, past = input_ids.shape[0], keys.shape[2]
-    shape = (batch, heads, past, kernels.HEAD_SIZE)
-    for layer in layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if (
-            type(layer) is not GrowingLayer
-            or type(keys) is not torch.Tensor
-            or type(values) is not torch.Tensor
-            or keys.shape != shape
-            or values.shape != shape
-            or keys.dtype != torch.float32
-            or values.dtype != torch.float32
-            or not keys.is_cpu
-            or not values.is_cpu
-            or needs_grad(keys, values)
-        ):
-            return False
-    if attention_mask is not None and not (
-        attention_mask.dim() == 2
-        and tuple(attention_mask.shape) == (batch, past + 1)
-        and attention_mask.is_cpu
-        and plain_tensors(attention_mask)
-    ):
-        return False
-    return position_ids is None or (
-        tuple(position_ids.shape) in ((batch, 1), (1, 1))
-        and position_ids.is_cpu
-        and not position_ids.is_floating_point()
-        and plain_tensors(position_ids)
-    )
-
-
-def _step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
-    """The tensors `int8_decode_step` reads (wte's and wpe's weights, each block's
-    `INT8_BLOCK_TENSORS`, the final norm's weight and bias), or None where the kernel would not compute
-    what the modules do.
-
-    The full checks (`_kernel_computes`) run once; what they read is then watched (`_StepWatch`): the
-    modules, tensors and settings as the same objects under the same names, no hook, dropout's modules
-    in eval mode. A step finds them unchanged in a few microseconds, where the checks take a
-    sizeable share of a step; anything changed runs the full checks again."""
-    watch = model.__dict__.get(_WATCH)
-    if watch is None or not watch.unchanged():
-        watch = _StepWatch(model) if _kernel_computes(model) else None
-        model.__dict__[_WATCH] = watch
-        if watch is None or not watch.unchanged():  # (hooks or training: the checks leave those to it)
-            return None
-    return None if needs_grad(*watch.tensors) else watch.tensors
-
-
-def _kernel_computes(model: GPTModel) -> bool:
-    """Whether `int8_decode_step` computes what the modules do: plain embeddings, `Int8Block`s that
-    fuse, of one layer-norm epsilon, MLP width and norm order, with biases and heads of 64, and an
-    affine final layer norm (GPT-2) or none (GPT-1), every tensor one the kernel reads as it is."""
-    modules = model._modules
-    wte, wpe, ln_f = modules["wte"], modules["wpe"], modules.get("ln_f")
-    if type(wte) is not nn.Embedding or type(wpe) is not nn.Embedding:
-        return False
-    width = wte.embedding_dim
-    if (
-        wte.max_norm is not None
-        or wpe.max_norm is not None
-        or wpe.embedding_dim != width
-        or width % kernels.HEAD_SIZE
-        or not all(
-            e.weight.dim() == 2
-            and _float32_vector(e.weight, (e.weight.shape[0], width))
-            and plain_tensors(e.weight)
-            for e in (wte, wpe)
-        )
-    ):
-        return False
-    if ln_f is not None and not (
-        type(ln_f) is nn.LayerNorm
-        and ln_f.normalized_shape == (width,)
-        and all(
-            p is not None and _float32_vector(p, (width,)) and plain_tensors(p)
-            for p in (ln_f.weight, ln_f.bias)
-        )
-    ):
-        return False
-    blocks = list(modules["h"])
-    if not blocks or any(type(block) is not Int8Block for block in blocks):
-        return False
-    # (code the step would not run: the blocks' parts are `fusable`'s to check)
-    if any(m is not None and has_forward_hooks(m) for m in (wte, wpe, modules["drop"], ln_f, *blocks)):
-        return False
-    first = blocks[0]
-    eps, inner = first.ln_1.eps, first.mlp.c_fc.out_features
-    return all(
-        block.attn.head_dim == kernels.HEAD_SIZE
-        and block.ln_1.eps == eps
-        and block.mlp.c_fc.out_features == inner
-        and block.pre_norm == first.pre_norm
-        and all(layer.bias is not None for layer in block._parts()[4:])
-        and block.fusable(width)
-        for block in blocks
-    )
-
-
-def _decoding_step(
-    model: GPTModel,
-    input_ids: torch.Tensor,
-    cache: DynamicCache,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-) -> BaseModelOutputWithPast | None:
-    """The step `decodes_in_one_call` allows, or None where the attention mask hides a row's new token
-    (whose output the kernel's attention would make zeros; `GPTModel.forward` decides what it is)."""
-    batch = input_ids.shape[0]
-    layers = cache.layers
-    past = layers[0].keys.shape[2]
-    model._check_inputs(input_ids, attention_mask, batch, 1, past, position_ids, None, batch)
-    mask = None
-    if attention_mask is not None:
-        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-        if not bool(keep.all()):
-            if not bool(keep[:, -1].all()):
-                return None
-            mask = keep.contiguous()
-    if position_ids is None:
-        positions = torch.full((batch,), past, dtype=torch.int64)
-    else:
-        positions = position_ids.to(torch.int64).expand(batch, 1).reshape(batch).contiguous()
-    # (the tensors `decodes_in_one_call` checked: wte's and wpe's weights, the blocks', the final norm's)
-    tensors = model.__dict__[_WATCH].tensors
-    blocks = list(model._modules["h"])
-    ln_f = model._modules.get("ln_f")
-    end = 2 + len(blocks) * kernels.INT8_BLOCK_TENSORS
-    buffers = [layer.reserve(1) for layer in layers]
-    hidden = kernels.int8_decode_step(
-        input_ids.reshape(batch).contiguous(),
-        positions,
-        tensors[0],
-        tensors[1],
-        tensors[2:end],
-        [keys for keys, _ in buffers],
-        [values for _, values in buffers],
-        past,
-        mask,
-        [block.attn.scaling for block in blocks],
-        blocks[0].ln_1.eps,
-        blocks[0].pre_norm,
-        tensors[end:],
-        1e-5 if ln_f is None else ln_f.eps,
-    )
-    for layer in layers:
-        layer.advance(1)
-    return BaseModelOutputWithPast(last_hidden_state=hidden.view(batch, 1, -1), **{CACHE_FIELD: cache})
-
-
-# Where an int8 copy's `GPTModel` keeps the `_StepWatch` of its last full check (`_step_tensors`).
-_WATCH = "_hfgpt_int8_step_watch"
-
-
-class _StepWatch:
-    """What `_kernel_computes` read, as (dictionary, key, object) entries: each module under its
-    name in its parent's `_modules`, each tensor in its owner's `_parameters` or `_buffers`, each setting
-    (layer-norm epsilons, the activation, the attention scale, the norm order, an instance's `forward`) in
-    its module's `__dict__`; with the modules' hook dictionaries and, for the modules whose mode changes
-    what they compute (dropout), their `__dict__`s. The objects are held, so none is freed and no new one
-    can take its address."""
-
-    def __init__(self, model: GPTModel) -> None:
-        self.registries: list[dict] = []  # the entries, as three lists
-        self.names: list[str] = []
-        self.values: list[Any] = []
-        self.hooks: list[dict] = []
-        self.modal: list[dict] = []
-        self.tensors: list[torch.Tensor] = []  # (in `int8_decode_step`'s order)
-        modules = model._modules
-        h = self.module(modules, "h")
-        wte, wpe = self.module(modules, "wte"), self.module(modules, "wpe")
-        self.module(modules, "drop", modal=True)
-        ln_f = self.module(modules, "ln_f")
-        self.tensor(wte, "weight"), self.tensor(wpe, "weight")
-        for index in h._modules:
-            block = self.module(h._modules, index, modal=True)
-            attn, mlp = (
-                self.module(block._modules, "attn", modal=True),
-                self.module(block._modules, "mlp", modal=True),
-            )
-            norms = [self.module(block._modules, name) for name in ("ln_1", "ln_2")]
-            layers = [self.module(attn._modules, name) for name in ("c_attn", "c_proj")]
-            layers += [self.module(mlp._modules, name) for name in ("c_fc", "c_proj")]
-            self.setting(block, "pre_norm"), self.setting(attn, "scaling"), self.setting(mlp, "act")
-            for norm in norms:
-                self.setting(norm, "eps")
-                self.tensor(norm, "weight"), self.tensor(norm, "bias")
-            for layer in layers:
-                self.tensor(layer, "packed"), self.tensor(layer, "scale"), self.tensor(layer, "bias")
-        if ln_f is not None:
-            self.setting(ln_f, "eps")
-            self.tensor(ln_f, "weight"), self.tensor(ln_f, "bias")
-
-    def module(self, registry: dict, name: str, modal: bool = False) -> Any:
-        """Watch `registry[name]` (None where absent), its hooks, its instance `forward` and, where
-        `modal`, its mode; returns it."""
-        module = registry.get(name)
-        self._watch(registry, name, module)
-        if module is not None:
-            self.hooks += (module._forward_hooks, module._forward_pre_hooks)
-            self.setting(module, "forward")
-            if modal:
-                self.modal.append(module.__dict__)
-        return module
-
-    def setting(self, module: nn.Module, name: str) -> None:
-        self._watch(module.__dict__, name, module.__dict__.get(name))
-
-    def tensor(self, module: nn.Module, name: str) -> None:
-        registry = module._parameters if name in module._parameters else module._buffers
-        self._watch(registry, name, registry[name])
-        self.tensors.append(registry[name])
-
-    def _watch(self, registry: dict, name: str, value: Any) -> None:
-        self.registries.append(registry)
-        self.names.append(name)
-        self.values.append(value)
-
-    def unchanged(self) -> bool:
-        """Whether every watched object is still in place, no hook is registered (on a watched module or
-        globally) and no watched module of dropout is in training mode."""
-        return (
-            # (in C loops: `registry.get(name) is value` for every entry)
-            all(map(operator.is_, map(dict.get, self.registries, self.names), self.values))
-            and not any(self.hooks)
-            and not any(attributes["training"] for attributes in self.modal)
-            and not has_global_forward_hooks()
-        )
+STEP_KINDS[Int8Block] = StepKind(
+    layer_tensors=("packed", "scale", "bias"),
+    computes=lambda block, width: (
+        block.fusable(width) and all(layer.bias is not None for layer in block._parts()[4:])
+    ),
+    inner=lambda block: block.mlp.c_fc.out_features,
+    available=kernels.int8_fused_available,
+    step="int8_decode_step",
+)
 
 
 def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:
@@ -753,7 +405,7 @@ def _to_int8(model: nn.Module) -> None:
     _replace_layers(model, lambda child: Int8Block.of(child) if type(child) is GPTBlock else None)
     for module in model.modules():
         if type(module) is GPTModel:
-            module.forward = MethodType(int8_model_forward, module)
+            module.forward = MethodType(one_call_forward, module)
 
 
 def _conv1d_to_linear(model: nn.Module, cls: type[nn.Linear] = nn.Linear) -> None:
@@ -837,7 +489,7 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       of the same arithmetic). The LM head, tied to `wte`, gets its own int8 copy while the embedding
       lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
       attention wherever nothing (a hook, training, gradients) needs the block's modules called, and a
-      decoding step of the whole model runs in one C call (`int8_model_forward`).
+      decoding step of the whole model runs in one C call (`hfgpt.cpu.decoding`).
     - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
       products through oneDNN's linear op where it takes bfloat16; at one row on hfgpt's C kernel,
       `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).

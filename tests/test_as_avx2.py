@@ -26,6 +26,8 @@ MODULES = [
     "tests/test_row_product_kernel.py",
     "tests/test_int8_kernel.py",
     "tests/test_int8_block.py",
+    "tests/test_int8_step.py",
+    "tests/test_float_step.py",
     "tests/test_dropout_kernel.py",
     "tests/test_kernel_ops.py",
     "tests/test_onednn_products.py",

@@ -23,7 +23,7 @@ from test_performance import (  # tests/ is on sys.path
 )
 from torch.testing._internal.two_tensor import TwoTensor
 
-from hfgpt.cpu import kernels
+from hfgpt.cpu import decoding, kernels
 from hfgpt.cpu import ops as ops_hfgpt
 from hfgpt.cpu.ops import (
     native_attention_applies,
@@ -247,9 +247,10 @@ def decode_calls(monkeypatch) -> list[tuple]:
 @needs_kernel
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generate_with_the_kernels_gives_the_tokens_of_sdpa(batch, prefill_calls, decode_calls, monkeypatch):
-    """Greedy decoding of a GPT-2-shaped model: the prompt's prefill on the causal kernel (without padding),
-    then each cached step on the decoding kernel, left-padded rows through its key mask; the same tokens
-    as with both kernels off (sdpa)."""
+    """Greedy decoding of a GPT-2-shaped model block by block: the prompt's prefill on the causal kernel
+    (without padding), then each cached step on the decoding kernel, left-padded rows through its key mask;
+    the same tokens as with both kernels off (sdpa). (A whole step in one call: tests/test_float_step.py.)"""
+    monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
     torch.manual_seed(0)
     model = GPTForCausalLM(_config()).eval()
     ids = torch.randint(0, 96, (batch, 40))

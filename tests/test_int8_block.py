@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfgpt.cpu import kernels, native, quantization
+from hfgpt.cpu import decoding, kernels, native
 from hfgpt.cpu.quantization import Int8Block, Int8Linear, _kernel_layer, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 
@@ -56,9 +56,9 @@ def fused_calls(monkeypatch) -> list[bool]:
 
 
 def unfused(monkeypatch) -> None:
-    """Every block through its modules (decoding steps too: not in one call, `int8_model_forward`)."""
+    """Every block through its modules (decoding steps too: not in one call, `hfgpt.cpu.decoding`)."""
     monkeypatch.setattr(Int8Block, "fuses", lambda self, hidden_states: False)
-    monkeypatch.setattr(quantization, "decodes_in_one_call", lambda *args: False)
+    monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
 
 
 def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

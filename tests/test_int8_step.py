@@ -1,4 +1,4 @@
-"""The int8 decoding copy's one-call decoding step (`int8_model_forward`, csrc/int8_linear.c's
+"""The int8 decoding copy's one-call decoding step (`hfgpt.cpu.decoding`, csrc/int8_linear.c's
 `hfgpt_int8_decode_step`, `torch.ops.hfgpt.int8_decode_step`): the numbers, tokens and cache of the
 block-by-block path, and that path wherever the one call would skip or misread something."""
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 from test_int8_block import copies, padded_batch  # tests/ is on sys.path
 
-from hfgpt.cpu import kernels, native, quantization
+from hfgpt.cpu import decoding, kernels, native
 from hfgpt.cpu.cache import grow_in_place
-from hfgpt.cpu.layers import is_kernelized
-from hfgpt.cpu.quantization import Int8Block, int8_model_forward
+from hfgpt.cpu.decoding import one_call_forward
+from hfgpt.cpu.layers import is_kernelized, model_forward
+from hfgpt.cpu.quantization import Int8Block
 from hfgpt.modeling import GPTForCausalLM
 from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
 
@@ -52,7 +53,7 @@ def block_calls(monkeypatch) -> list[bool]:
 
 
 def block_by_block(monkeypatch) -> None:
-    monkeypatch.setattr(quantization, "decodes_in_one_call", lambda *args: False)
+    monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
 
 
 def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8):
@@ -66,8 +67,9 @@ def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: in
 def test_the_int8_copy_decodes_through_the_one_call_forward():
     model, int8 = copies("gpt2")
     assert type(int8.transformer) is GPTModel
-    assert int8.transformer.forward.__func__ is int8_model_forward
-    assert "forward" not in model.transformer.__dict__  # (the float model is left as it was)
+    assert int8.transformer.forward.__func__ is one_call_forward
+    # (the float model is left as it was: the CPU backend's forward, or with the backend off the class's)
+    assert model.transformer.forward.__func__ in {GPTModel.forward, model_forward}
     assert all(type(block) is Int8Block for block in int8.transformer.h)
 
 
@@ -258,7 +260,7 @@ def test_the_step_operator_refuses_what_the_kernel_would_misread():
     model = int8.transformer
     ids, mask = padded_batch(300)
     cache = getattr(int8(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
-    tensors = quantization._step_tensors(model)
+    tensors = decoding.step_tensors(model)
     grow_in_place(cache)
     buffers = [layer.reserve(1) for layer in cache.layers]
     args = dict(

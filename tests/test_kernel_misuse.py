@@ -1,5 +1,6 @@
 """The C kernels reached through public APIs with tensors they must not read as they are: an int8 decoding
-copy whose layer norms or packed weights a user replaced, and the copy under `torch.func.vmap`. Each case
+copy whose layer norms or packed weights a user replaced, a float32 model whose weights a user replaced
+between decoding steps, and the copy under `torch.func.vmap`. Each case
 is refused with a clear error or steps aside to torch, with the torch path's values, and never crashes:
 each runs in its own process, so that a crash fails its test rather than the suite."""
 
@@ -126,6 +127,26 @@ CASES = {
         got = outcome(lambda: step_logits(lambda: model.transformer.ln_f.to(torch.float64)))
         raise AssertionError("a float32 step with a float64 final norm returned values")
     """,
+    "float32 model: transposed c_attn weight, set between decoding steps": """
+        from hfgpt.cpu import kernelize
+        model = kernelize(GPTForCausalLM(config).eval())
+        layer = model.transformer.h[1].attn.c_attn
+        weight = layer.weight
+        def change():
+            layer.weight = nn.Parameter(weight.detach().t().contiguous().t())  # the same values, column-major
+        got = outcome(lambda: step_logits(change))
+        layer.weight = weight
+        expected = step_logits(change, torch_path=True)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        print("values equal")
+    """,
+    "float32 model: smaller c_fc bias, set between decoding steps": """
+        from hfgpt.cpu import kernelize
+        model = kernelize(GPTForCausalLM(config).eval())
+        layer = model.transformer.h[0].mlp.c_fc
+        outcome(lambda: step_logits(lambda: setattr(layer, "bias", nn.Parameter(layer.bias.detach()[:-1]))))
+        raise AssertionError("a step with a truncated bias returned values")
+    """,
     "vmap over the batch": """
         rows = outcome(lambda: torch.func.vmap(lambda row: model(row[None]).logits[0])(ids))
         with torch.no_grad():
@@ -145,6 +166,8 @@ EXPECTED = {
     "strided layer norm weight, set between decoding steps": "values equal",
     "smaller packed weight, set between decoding steps": "refused:",
     "final norm of another dtype, set between decoding steps": "refused:",
+    "float32 model: transposed c_attn weight, set between decoding steps": "values equal",
+    "float32 model: smaller c_fc bias, set between decoding steps": "refused:",
 }
 
 

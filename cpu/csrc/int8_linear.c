@@ -40,7 +40,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "decode_attention.h"
 #include "vector_math.h"
 #define BLOCK 64
 #define TILE 32
@@ -400,61 +399,13 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
 
 /* ---------------------------------------------------------------------------------------------------
  * A whole transformer block of an int8 decoding copy in two calls around its attention (`Int8Block` in
- * quantization.py), for any number of rows (B*T), GPT-2's pre-norm or GPT-1's post-norm order:
- *   hfgpt_int8_norm_linear  qkv = W_qkv LN1(h) + b  (pre-norm; post-norm: W_qkv h + b)
- *   (the attention, in torch's or hfgpt's attention kernel, on the cached keys and values)
- *   hfgpt_int8_block_tail   pre-norm:  h1 = h + P(a);       out = h1 + M(LN2(h1))
- *                           post-norm: h1 = LN1(h + P(a));  out = LN2(h1 + M(h1))
- *                           M(x) = W_proj gelu(W_fc x + b_fc) + b_proj, P(a) = W_o a + b_o
- * The products are `product`'s, the residual sums plain float sums, as in the unfused block; the layer
- * norms and the tanh GELU are computed here (gelu.c's formula), and so differ from torch's
- * by float rounding, which the int8 copy of the next product can turn into one step of 127 in a block
- * of 64 inputs now and then. One parallel region a call instead of about 20 torch ops a block, whose
- * overhead outside the products was a sizeable share of an int8 decoding step.
+ * quantization.py), for any number of rows (B*T), GPT-2's pre-norm or GPT-1's post-norm order, and a whole
+ * decoding step in one: decode_step.h's `norm_linear`, `block_tail` and `decode_step` on `product`'s int8
+ * products. The layer norms and the GELU are decode_step.h's, which differ from torch's by float rounding,
+ * which the int8 copy of the next product can turn into one step of 127 in a block of 64 inputs now and
+ * then. One parallel region a call instead of about 20 torch ops a block, whose overhead outside the
+ * products was a sizeable share of an int8 decoding step.
  */
-/* Layer norm of one row, with torch's biased variance: two passes (the mean, then the squared deviations),
- * each summed in a vector of partial sums, then across its lanes. */
-static void layer_norm_row(const float *x, int64_t n, const float *w, const float *b, float eps, float *y)
-{
-    vf sum = {0};
-    for (int64_t i = 0; i < n; i += LANES) sum += vload_first(x + i, n - i);
-    const float mean = sum_lanes(sum) / (float)n;
-    vf squares = {0};
-    for (int64_t i = 0; i < n; i += LANES) {
-        const vf d = vkeep(lanes_below(n - i), vload_first(x + i, n - i) - mean);
-        squares += d * d;
-    }
-    const float rstd = 1.0f / sqrtf(sum_lanes(squares) / (float)n + eps);
-    for (int64_t i = 0; i < n; i += LANES) {
-        const vf normed = (vload_first(x + i, n - i) - mean) * rstd;
-        vstore_first(y + i, normed * vload_first(w + i, n - i) + vload_first(b + i, n - i), n - i);
-    }
-}
-
-/* Inside a parallel region, row by row: y = LN(a + c), the sum kept in `sum`; c NULL: y = LN(a); w NULL:
- * y = a + c. */
-static void add_norm(const float *a, const float *c, int64_t rows, int64_t n, const float *w, const float *b,
-                     float eps, float *y, float *sum)
-{
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = a + r * n;
-        if (c) {
-            float *target = w ? sum + r * n : y + r * n;
-            for (int64_t i = 0; i < n; i++) target[i] = row[i] + c[r * n + i];
-            row = target;
-        }
-        if (w) layer_norm_row(row, n, w, b, eps, y + r * n);
-    }
-}
-
-/* The tanh GELU in place (vector_math.h's, as gelu.c's), split between the threads of the region. */
-static void gelu_rows(float *x, int64_t count)
-{
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < count; i += LANES) vstore_first(x + i, gelu_v(vload_first(x + i, count - i)), count - i);
-}
-
 /* (built on every CPU; kept for the callers that ask) */
 int hfgpt_int8_fused_available(void) { return 1; }
 
@@ -463,40 +414,15 @@ typedef struct {
     const uint8_t *w;
     int64_t out, inp;
     const float *scale, *bias;
-} int8_layer_t;
+} layer_t;
 
-/* Inside a parallel region: y = W LN(x) + b, or W x + b where ln_w is NULL (`normed`: rows x in floats). */
-static void norm_linear(const float *x, int64_t rows, int64_t in, const float *ln_w, const float *ln_b, float eps,
-                        const int8_layer_t *l, float *normed, float *y, const scratch_t *sc)
+static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_t in, float *y, int64_t ldy,
+                          const scratch_t *sc)
 {
-    if (ln_w) add_norm(x, NULL, rows, in, ln_w, ln_b, eps, normed, NULL);
-    product(ln_w ? normed : x, rows, in, in, l->w, l->out, l->inp, l->scale, l->bias, y, l->out, sc);
+    product(x, rows, in, in, l->w, l->out, l->inp, l->scale, l->bias, y, ldy, sc);
 }
 
-/* Inside a parallel region: the block after its attention output `attn` ([rows, n]), from the block's
- * input `h`, into `y` (see above); `work`: rows x (4 n + inner) floats. */
-static void block_tail(const float *attn, const float *h, float *y, int64_t rows, int64_t n, int pre_norm,
-                       const float *ln1_w, const float *ln1_b, const float *ln2_w, const float *ln2_b, float eps,
-                       const int8_layer_t *proj, const int8_layer_t *fc, const int8_layer_t *mproj, float *work,
-                       const scratch_t *sc)
-{
-    const int64_t inner = fc->out;
-    float *t = work, *h1 = t + rows * n, *x2 = h1 + rows * n, *sum = x2 + rows * n, *act = sum + rows * n;
-    product(attn, rows, n, n, proj->w, proj->out, proj->inp, proj->scale, proj->bias, t, n, sc);
-    if (pre_norm) {
-        add_norm(h, t, rows, n, NULL, NULL, eps, h1, NULL);        /* h1 = h + P(a) (barrier: omp for) */
-        add_norm(h1, NULL, rows, n, ln2_w, ln2_b, eps, x2, NULL); /* x2 = LN2(h1) */
-    } else {
-        add_norm(h, t, rows, n, ln1_w, ln1_b, eps, h1, sum); /* h1 = LN1(h + P(a)) */
-    }
-    product(pre_norm ? x2 : h1, rows, n, n, fc->w, fc->out, fc->inp, fc->scale, fc->bias, act, inner, sc);
-    gelu_rows(act, rows * inner);
-    product(act, rows, inner, inner, mproj->w, mproj->out, mproj->inp, mproj->scale, mproj->bias, t, n, sc);
-    if (pre_norm)
-        add_norm(h1, t, rows, n, NULL, NULL, eps, y, NULL); /* y = h1 + M(x2) */
-    else
-        add_norm(h1, t, rows, n, ln2_w, ln2_b, eps, y, sum); /* y = LN2(h1 + M(h1)) */
-}
+#include "decode_step.h"
 
 /* y = W LN(x) + b, or W x + b where ln_w is NULL. Returns 0, or 1 (no memory). */
 int hfgpt_int8_norm_linear(const float *x, int64_t rows, int64_t in, const float *ln_w, const float *ln_b,
@@ -510,7 +436,7 @@ int hfgpt_int8_norm_linear(const float *x, int64_t rows, int64_t in, const float
         scratch_free(&sc), free(normed);
         return 1;
     }
-    const int8_layer_t layer = {w, out, inp, scale, bias};
+    const layer_t layer = {w, out, inp, scale, bias};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     norm_linear(x, rows, in, ln_w, ln_b, eps, &layer, normed, y, &sc);
     scratch_free(&sc), free(normed);
@@ -528,9 +454,9 @@ int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t r
                           const float *mproj_bias, int threads)
 {
     if (rows <= 0) return 0;
-    const int8_layer_t proj = {proj_w, n, proj_inp, proj_scale, proj_bias};
-    const int8_layer_t fc = {fc_w, inner, fc_inp, fc_scale, fc_bias};
-    const int8_layer_t mproj = {mproj_w, n, mproj_inp, mproj_scale, mproj_bias};
+    const layer_t proj = {proj_w, n, proj_inp, proj_scale, proj_bias};
+    const layer_t fc = {fc_w, inner, fc_inp, fc_scale, fc_bias};
+    const layer_t mproj = {mproj_w, n, mproj_inp, mproj_scale, mproj_bias};
     const int64_t widest = fc.inp > mproj.inp ? fc.inp : mproj.inp;
     scratch_t sc;
     float *work = (float *)malloc(sizeof(float) * (size_t)(rows * (4 * n + inner)));
@@ -545,28 +471,13 @@ int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t r
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * One decoding step of a whole int8 decoding copy in one call (`int8_model_forward` in quantization.py): the
- * embeddings, every block as above (`norm_linear`, the attention, `block_tail`) and the final layer norm,
- * for `rows` sequences of one new token each. The attention is decode_attention.h's `head_decode`, as
- * attention.c's `hfgpt_attention_decode` computes it, on each layer's cache, into which the step writes the
- * new keys and values. One parallel region for the whole step, instead of a C call for each half of each
- * block with torch's attention and Python between them, whose overhead at one row was about as long as the
- * products themselves.
- *
- * ids, positions: [rows] token and position ids (checked by the caller), looked up in wte [vocab][n] and
- * wpe [positions][n]. layers: LAYER_POINTERS pointers per block, in the order read below (`block_t`).
- * keys[l], values[l]: block l's cache, [rows][heads][capacity[l]][HEAD_SIZE] floats whose first `past`
- * positions hold the cached keys and values; the step writes position `past` (< capacity[l]) and attends
- * positions 0 .. past, those with mask[b * mask_stride + j] != 0 (mask NULL: all). scaling[l]: block l's
- * attention scale; eps: its layer norms'. lnf_w, lnf_b: the final layer norm (NULL: none, GPT-1's order).
- * y: [rows][n], the last hidden states. Returns 0, or 1 where scratch memory could not be allocated.
+ * One decoding step of a whole int8 decoding copy in one call (`hfgpt.cpu.decoding`):
+ * decode_step.h's `decode_step` on the int8 layers. layers: LAYER_POINTERS pointers per block, in the order
+ * `block_at` reads them: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the
+ * MLP's c_proj, each as packed weight, scales and bias. The other arguments are `decode_step`'s. Returns 0,
+ * or 1 where scratch memory could not be allocated.
  */
 #define LAYER_POINTERS 16
-
-typedef struct {
-    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
-    int8_layer_t qkv, proj, fc, mproj;
-} block_t;
 
 static block_t block_at(const void *const *p, int64_t n, int64_t inner)
 {
@@ -589,48 +500,18 @@ int hfgpt_int8_decode_step(const int64_t *ids, const int64_t *positions, const f
                            int threads)
 {
     if (rows <= 0) return 0;
-    const int64_t keys_seen = past + 1, widest = inner > n ? inner : n;
+    const int64_t widest = inner > n ? inner : n;
     scratch_t sc;
-    /* the hidden states in and out of a block, c_attn's output, the attention's, LN1's, block_tail's work */
-    float *work = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * n + n + n + 4 * n + inner)));
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * keys_seen));
-    if (!scratch_alloc(&sc, rows, (widest + BLOCK - 1) / BLOCK * BLOCK) || !work || !scores) {
-        scratch_free(&sc), free(work), free(scores);
+    float *work = (float *)malloc(sizeof(float) * (size_t)decode_step_work(rows, n, inner));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * (past + 1)));
+    block_t *blocks = (block_t *)malloc(sizeof(block_t) * (size_t)(n_layer > 0 ? n_layer : 1));
+    if (!scratch_alloc(&sc, rows, (widest + BLOCK - 1) / BLOCK * BLOCK) || !work || !scores || !blocks) {
+        scratch_free(&sc), free(work), free(scores), free(blocks);
         return 1;
     }
-    float *const first = work, *const second = first + rows * n, *qkv = second + rows * n;
-    float *attn = qkv + rows * 3 * n, *normed = attn + rows * n, *tail = normed + rows * n;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *h = first, *next = second; /* (each thread's own, swapped alike after each block) */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n; i++) h[r * n + i] = wte[ids[r] * n + i] + wpe[positions[r] * n + i];
-        for (int64_t l = 0; l < n_layer; l++) {
-            const block_t b = block_at(layers + l * LAYER_POINTERS, n, inner);
-            norm_linear(h, rows, n, pre_norm ? b.ln1_w : NULL, b.ln1_b, eps, &b.qkv, normed, qkv, &sc);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < rows * heads; t++) {
-                const int64_t r = t / heads, head = t % heads, cap = capacity[l];
-                const float *row = qkv + r * 3 * n + head * HEAD_SIZE;
-                float *k = keys[l] + t * cap * HEAD_SIZE, *v = values[l] + t * cap * HEAD_SIZE;
-                memcpy(k + past * HEAD_SIZE, row + n, sizeof(float) * HEAD_SIZE);
-                memcpy(v + past * HEAD_SIZE, row + 2 * n, sizeof(float) * HEAD_SIZE);
-                head_decode(row, k, HEAD_SIZE, v, HEAD_SIZE, mask ? mask + r * mask_stride : NULL, keys_seen,
-                            scaling[l], scores + t * keys_seen, attn + r * n + head * HEAD_SIZE);
-            }
-            block_tail(attn, h, next, rows, n, pre_norm, b.ln1_w, b.ln1_b, b.ln2_w, b.ln2_b, eps, &b.proj, &b.fc,
-                       &b.mproj, tail, &sc);
-            float *swap = h;
-            h = next, next = swap;
-        }
-        if (lnf_w) {
-            add_norm(h, NULL, rows, n, lnf_w, lnf_b, lnf_eps, y, NULL);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) memcpy(y + r * n, h + r * n, sizeof(float) * (size_t)n);
-        }
-    }
-    scratch_free(&sc), free(work), free(scores);
+    for (int64_t l = 0; l < n_layer; l++) blocks[l] = block_at(layers + l * LAYER_POINTERS, n, inner);
+    decode_step(ids, positions, wte, wpe, rows, n, heads, n_layer, pre_norm, eps, scaling, blocks, keys, values,
+                capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, work, scores, &sc, threads);
+    scratch_free(&sc), free(work), free(scores), free(blocks);
     return 0;
 }

@@ -5,7 +5,8 @@
  * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by `one_row_product`
  * (an `[out, in]` weight: nn.Linear, the LM head, the float32 decoding copy) and `one_row_conv1d` (a
  * Conv1D `[in, out]` weight: the model's own layers, through `hfgpt.cpu.layers.conv1d_forward`) in
- * cpu/ops.py, which split torch's products between the threads wherever this does not apply.
+ * cpu/ops.py, which split torch's products between the threads wherever this does not apply; and, at the
+ * end of this file, a whole decoding step of a float32 model (`hfgpt_float_decode_step`).
  *
  * `[out, in]`: each thread takes a contiguous run of the weight's rows, one dot product a row with four
  * accumulators, so that it reads one sequential stream. `[in, out]`: each thread takes a contiguous run
@@ -21,6 +22,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vector_math.h"
 #define PARALLEL_FROM 32768 /* weight elements: fewer run on the calling thread */
@@ -51,29 +53,30 @@ int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, c
     return 0;
 }
 
-/* acc[:out] += sum over rows i of [from, to) of x[i] w[i, :]; eight rows at a time. */
-static void add_rows(const float *x, const float *w, int64_t out, int64_t from, int64_t to, float *acc)
+/* acc[:out] += sum over rows i of [from, to) of x[i] w[i, :out], the rows `ld` floats apart; eight rows at a
+ * time. */
+static void add_rows(const float *x, const float *w, int64_t ld, int64_t out, int64_t from, int64_t to, float *acc)
 {
     int64_t i = from;
     for (; i + 8 <= to; i += 8) {
-        const float *p = w + i * out;
+        const float *p = w + i * ld;
         const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
         const float x4 = x[i + 4], x5 = x[i + 5], x6 = x[i + 6], x7 = x[i + 7];
         for (int64_t c = 0; c < out; c += LANES) {
             const int64_t n = out - c;
             vf s0 = vload_first(p + c, n) * x0;
-            vf s1 = vload_first(p + out + c, n) * x1;
-            s0 += vload_first(p + 2 * out + c, n) * x2;
-            s1 += vload_first(p + 3 * out + c, n) * x3;
-            s0 += vload_first(p + 4 * out + c, n) * x4;
-            s1 += vload_first(p + 5 * out + c, n) * x5;
-            s0 += vload_first(p + 6 * out + c, n) * x6;
-            s1 += vload_first(p + 7 * out + c, n) * x7;
+            vf s1 = vload_first(p + ld + c, n) * x1;
+            s0 += vload_first(p + 2 * ld + c, n) * x2;
+            s1 += vload_first(p + 3 * ld + c, n) * x3;
+            s0 += vload_first(p + 4 * ld + c, n) * x4;
+            s1 += vload_first(p + 5 * ld + c, n) * x5;
+            s0 += vload_first(p + 6 * ld + c, n) * x6;
+            s1 += vload_first(p + 7 * ld + c, n) * x7;
             vstore_first(acc + c, vload_first(acc + c, n) + (s0 + s1), n);
         }
     }
     for (; i < to; i++) {
-        const float *p = w + i * out;
+        const float *p = w + i * ld;
         for (int64_t c = 0; c < out; c += LANES)
             vstore_first(acc + c, vload_first(p + c, out - c) * x[i] + vload_first(acc + c, out - c), out - c);
     }
@@ -92,7 +95,7 @@ int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, co
         const int64_t from = t * per < in ? t * per : in, to = from + per < in ? from + per : in;
         float *acc = scratch + t * out;
         memset(acc, 0, sizeof(float) * (size_t)out);
-        add_rows(x, w, out, from, to, acc);
+        add_rows(x, w, out, out, from, to, acc);
 #pragma omp barrier
         const int64_t vectors = (out + LANES - 1) / LANES, share = (vectors + team - 1) / team;
         for (int64_t c = t * share * LANES; c < out && c < (t + 1) * share * LANES; c += LANES) {
@@ -181,5 +184,87 @@ int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, in
         y[o] = to_bfloat16(bias ? sum + from_bfloat16(bias[o]) : sum);
     }
     free(xs);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * One decoding step of a float32 model in one call (`hfgpt.cpu.decoding`, for the CPU backend's models):
+ * decode_step.h's `decode_step` on the model's own Conv1D weights, `[in, out]` as GPT-1's and GPT-2's
+ * releases hold them. At one row a step reads every weight once, for one multiply-add each: bound by how
+ * fast the weights stream from memory, and, block by block, by the calls and the Python between them.
+ */
+typedef struct {
+    const float *w; /* [in][out] */
+    int64_t out;
+    const float *bias; /* or NULL */
+} layer_t;
+
+typedef struct {
+    char unused; /* (the float32 products need no scratch) */
+} scratch_t;
+
+/* Inside a parallel region: y[r * ldy + o] = sum_i x[r, i] w[i, o] + bias[o]. Each thread takes a run of
+ * whole vectors of output columns and reads its piece of each weight row in turn (`add_rows`), eight
+ * weight rows at a time for every row of x while they are in cache: one pass over the weight whatever the
+ * rows. Ends on a barrier. */
+static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_t in, float *y, int64_t ldy,
+                          const scratch_t *sc)
+{
+    (void)sc;
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), out = l->out;
+    const int64_t vectors = (out + LANES - 1) / LANES;
+    const int64_t from = vectors * t / team * LANES, to_vector = vectors * (t + 1) / team * LANES;
+    const int64_t to = to_vector < out ? to_vector : out;
+    if (from < to) {
+        for (int64_t r = 0; r < rows; r++) {
+            float *yr = y + r * ldy + from;
+            if (l->bias)
+                memcpy(yr, l->bias + from, sizeof(float) * (size_t)(to - from));
+            else
+                memset(yr, 0, sizeof(float) * (size_t)(to - from));
+        }
+        for (int64_t i = 0; i < in; i += 8) {
+            const int64_t stop = i + 8 < in ? i + 8 : in;
+            for (int64_t r = 0; r < rows; r++)
+                add_rows(x + r * in, l->w + from, out, to - from, i, stop, y + r * ldy + from);
+        }
+    }
+#pragma omp barrier
+}
+
+#include "decode_step.h"
+
+/* The step (decode_step.h): layers holds LAYER_POINTERS pointers a block: ln_1's weight and bias, ln_2's,
+ * then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as weight [in][out] and bias. The
+ * other arguments are `decode_step`'s. Returns 0, or 1 where scratch memory could not be allocated. */
+#define LAYER_POINTERS 12
+
+int hfgpt_float_decode_step(const int64_t *ids, const int64_t *positions, const float *wte, const float *wpe,
+                            int64_t rows, int64_t n, int64_t heads, int64_t inner, int64_t n_layer, int pre_norm,
+                            float eps, const float *scaling, const void *const *layers, float *const *keys,
+                            float *const *values, const int64_t *capacity, int64_t past, const uint8_t *mask,
+                            int64_t mask_stride, const float *lnf_w, const float *lnf_b, float lnf_eps, float *y,
+                            int threads)
+{
+    if (rows <= 0) return 0;
+    const scratch_t sc = {0};
+    float *work = (float *)malloc(sizeof(float) * (size_t)decode_step_work(rows, n, inner));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * (past + 1)));
+    block_t *blocks = (block_t *)malloc(sizeof(block_t) * (size_t)(n_layer > 0 ? n_layer : 1));
+    if (!work || !scores || !blocks) {
+        free(work), free(scores), free(blocks);
+        return 1;
+    }
+    for (int64_t l = 0; l < n_layer; l++) {
+        const float *const *p = (const float *const *)(layers + l * LAYER_POINTERS);
+        const block_t b = {
+            p[0], p[1], p[2], p[3],
+            {p[4], 3 * n, p[5]}, {p[6], n, p[7]}, {p[8], inner, p[9]}, {p[10], n, p[11]},
+        };
+        blocks[l] = b;
+    }
+    decode_step(ids, positions, wte, wpe, rows, n, heads, n_layer, pre_norm, eps, scaling, blocks, keys, values,
+                capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, work, scores, &sc, threads);
+    free(work), free(scores), free(blocks);
     return 0;
 }

@@ -1,0 +1,303 @@
+"""The CPU backend's one-call decoding step for float32 models (`hfgpt.cpu.decoding`, csrc/row_product.c's
+`hfgpt_float_decode_step`, `torch.ops.hfgpt.float_decode_step`): the numbers, tokens and cache of the
+block-by-block path, and that path wherever the one call would skip or misread something."""
+
+import copy
+
+import pytest
+import torch
+from kernel_testing import (  # tests/ is on sys.path
+    NARROW_TARGETS,
+    fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
+    narrow_build,
+    record_kernel_calls,
+    using_library,
+)
+from test_int8_block import config, padded_batch
+
+from hfgpt.cpu import decoding, kernelize, kernels, native, unkernelize
+from hfgpt.cpu.cache import grow_in_place
+from hfgpt.cpu.layers import model_forward
+from hfgpt.modeling import GPTForCausalLM
+from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
+
+# The step's layer norms, GELU and products are the kernel's own; block by block, torch's.
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def float_kernel():
+    if native.kernel("row_product") is None:
+        pytest.skip("no C compiler to build the kernel with")
+
+
+def kernelized(family: str, **overrides) -> GPTForCausalLM:
+    """A float32 model with the CPU backend, whether or not it is on by default (`HFGPT_CPU_BACKEND`)."""
+    torch.manual_seed(0)
+    return kernelize(GPTForCausalLM(config(family, **overrides)).eval())
+
+
+@pytest.fixture
+def one_calls(monkeypatch) -> list[int]:
+    """The batch size of each call of the one-call step."""
+    calls = []
+    step = kernels.float_decode_step
+
+    def recorded(ids, *args):
+        calls.append(ids.numel())
+        return step(ids, *args)
+
+    monkeypatch.setattr(kernels, "float_decode_step", recorded)
+    return calls
+
+
+def block_by_block(monkeypatch) -> None:
+    monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
+
+
+def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+            output_scores=True, return_dict_in_generate=True, **kwargs,
+        )  # fmt: skip
+
+
+def test_the_backend_swaps_the_one_call_forward_in_and_out():
+    model = kernelized("gpt2")
+    assert model.transformer.forward.__func__ is model_forward
+    unkernelize(model)
+    assert "forward" not in model.transformer.__dict__
+    assert model.transformer.forward.__func__ is GPTModel.forward
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt1"])
+def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(family, one_calls, monkeypatch):
+    model = kernelized(family)
+    ids, mask = padded_batch(300)
+    one = greedy(model, ids, mask)
+    assert one_calls == [3] * 7  # every step after the prompt, of the whole batch
+    plain = greedy(unkernelize(copy.deepcopy(model)), ids, mask)  # the model file, torch's ops throughout
+    block_by_block(monkeypatch)
+    blocks = greedy(model, ids, mask)
+    assert len(one_calls) == 7
+    for other in (blocks, plain):
+        assert torch.equal(one.sequences, other.sequences)
+        for got, expected in zip(one.scores, other.scores, strict=True):
+            torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkeypatch):
+    model = kernelized("gpt2")
+    ids, mask = padded_batch(300)
+
+    def beams() -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+
+    one = beams()
+    assert one_calls == [9] * 5  # 3 rows of 3 beams, every step after the prompt
+    block_by_block(monkeypatch)
+    assert torch.equal(one, beams())
+
+
+def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
+    model = kernelized("gpt2")
+    ids, mask = padded_batch(300)
+
+    def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            out = model(ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
+            cache, logits = getattr(out, CACHE_FIELD), []
+            for end in range(ids.shape[1] - 3, ids.shape[1]):
+                out = model(ids[:, end : end + 1], attention_mask=mask[:, : end + 1], cache=cache)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1), [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    logits, cached = decode()
+    block_by_block(monkeypatch)
+    expected_logits, expected_cached = decode()
+    torch.testing.assert_close(logits, expected_logits, **CLOSE)
+    assert [t.shape[2] for t in cached] == [ids.shape[1]] * 4
+    for got, expected in zip(cached, expected_cached, strict=True):
+        torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_a_step_grows_the_cache_buffers_it_fills(one_calls, monkeypatch):
+    model = kernelized("gpt1", n_positions=160)
+    ids = torch.randint(1, 300, (1, 4))
+    one = greedy(model, ids, torch.ones_like(ids), new=140)  # past the buffers' first spare positions
+    assert len(one_calls) == 139
+    block_by_block(monkeypatch)
+    assert torch.equal(one.sequences, greedy(model, ids, torch.ones_like(ids), new=140).sequences)
+
+
+@pytest.mark.parametrize(
+    "blocker",
+    [
+        "hook on a block",
+        "hook on c_fc",
+        "forward of its own on c_proj",
+        "training",
+        "dropout module training",
+        "gradients",
+        "hidden states asked for",
+        "heads of 32",
+        "exact GELU",
+        "static cache",
+        "new token masked",
+    ],
+)
+def test_block_by_block_wherever_the_one_call_would_skip_something(blocker, one_calls):
+    overrides = {"n_embd": 96, "n_head": 3} if blocker == "heads of 32" else {}
+    if blocker == "exact GELU":
+        overrides["activation_function"] = "gelu"
+    model = kernelized("gpt2", **overrides)
+    ids, mask = padded_batch(300)
+    seen = []
+    body = model.transformer
+    if blocker == "hook on a block":
+        body.h[1].register_forward_pre_hook(lambda m, args: seen.append(m))
+    elif blocker == "hook on c_fc":
+        body.h[0].mlp.c_fc.register_forward_hook(lambda m, args, out: seen.append(m))
+    elif blocker == "forward of its own on c_proj":
+        layer = body.h[1].attn.c_proj
+        plain_forward = type(layer).forward.__get__(layer)
+        layer.forward = lambda x: seen.append(layer) or plain_forward(x)
+    elif blocker == "training":
+        body.h[0].attn.train()
+    elif blocker == "dropout module training":
+        body.h[1].mlp.dropout.train()
+    with torch.no_grad():
+        cache = getattr(model(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
+    step = dict(attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1), cache=cache)
+    token = ids[:, -1:]
+    if blocker == "gradients":
+        model(token, **step)  # (the parameters require gradients, and grad mode is on)
+    elif blocker == "hidden states asked for":
+        with torch.no_grad():
+            assert len(model(token, output_hidden_states=True, **step).hidden_states) == 3
+    elif blocker == "static cache":
+        greedy(model, ids, mask, new=3, cache_implementation="static")
+    elif blocker == "new token masked":
+        step["attention_mask"][1, -1] = 0
+        with torch.no_grad():
+            model(token, **step)
+    else:
+        with torch.no_grad():
+            model(token, **step)
+    assert one_calls == []
+    if "hook" in blocker or "forward" in blocker:
+        assert len(seen) == 2  # the prompt's forward and the step's
+
+
+def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch):
+    """The one call reads the modules' tensors where they are at each step: a parameter replaced, a hook
+    registered, a module put in training mode after a first step."""
+    model = kernelized("gpt2")
+    ids, mask = padded_batch(300)
+    block = model.transformer.h[0]
+    bias = block.mlp.c_fc.bias
+
+    def steps(change) -> list[torch.Tensor]:
+        block.mlp.c_fc.bias = bias
+        with torch.no_grad():
+            out = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True)
+            cache = getattr(out, CACHE_FIELD)
+            first = model(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache).logits
+            change()
+            second = model(ids[:, -1:], attention_mask=mask, cache=cache).logits
+        return [first, second]
+
+    def new_bias():
+        block.mlp.c_fc.bias = torch.nn.Parameter(torch.ones_like(bias))
+
+    got = steps(new_bias)
+    assert len(one_calls) == 2
+    with monkeypatch.context() as patch:
+        block_by_block(patch)
+        expected = steps(new_bias)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+    assert not torch.allclose(got[1], steps(lambda: None)[1])  # the new bias changed the step
+    one_calls.clear()
+    seen = []
+    handle = None
+
+    def hook():
+        nonlocal handle
+        handle = block.ln_2.register_forward_hook(lambda m, args, out: seen.append(m))
+
+    steps(hook)
+    assert len(one_calls) == 1 and len(seen) == 1  # the first step in one call, the second through ln_2
+    handle.remove()
+    steps(lambda: block.attn.resid_dropout.train())
+    assert len(one_calls) == 2  # the first step only
+    block.attn.resid_dropout.eval()
+    steps(lambda: None)
+    assert len(one_calls) == 4
+
+
+@torch.no_grad()
+def test_the_step_operator_refuses_what_the_kernel_would_misread():
+    model = kernelized("gpt2")
+    ids, mask = padded_batch(300)
+    cache = getattr(model(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
+    tensors = decoding.step_tensors(model.transformer)
+    assert len(tensors) == 2 + 2 * kernels.FLOAT_BLOCK_TENSORS + 2
+    grow_in_place(cache)
+    buffers = [layer.reserve(1) for layer in cache.layers]
+    args = dict(
+        ids=ids[:, -1].contiguous(), positions=torch.full((3,), 14), wte=tensors[0], wpe=tensors[1],
+        blocks=tensors[2:26], keys=[k for k, _ in buffers], values=[v for _, v in buffers], past=14,
+        mask=None, scalings=[0.125, 0.125], eps=1e-5, pre_norm=True, final_norm=tensors[26:], final_eps=1e-5,
+    )  # fmt: skip
+    out = kernels.float_decode_step(**args)
+    assert out.shape == (3, 128) and torch.isfinite(out).all()
+    bad = {
+        "ids": dict(ids=torch.tensor([0, 1, 300])),
+        "positions": dict(positions=torch.tensor([0, 64, 1])),
+        "blocks\\[5\\]": dict(blocks=[*tensors[2:7], tensors[7].double(), *tensors[8:26]]),
+        "blocks\\[4\\]": dict(blocks=[*tensors[2:6], tensors[6].t(), *tensors[7:26]]),
+        "block 0's layer 1": dict(blocks=[*tensors[2:8], tensors[8][:-1].clone(), *tensors[9:26]]),
+        "norm tensor 2": dict(blocks=[*tensors[2:16], tensors[16][:-1].clone(), *tensors[17:26]]),
+        "12 tensors a block": dict(blocks=tensors[2:25]),
+        "capacity": dict(keys=[k[:, :, :14].contiguous() for k, _ in buffers]),
+        "mask": dict(mask=torch.ones(3, 14, dtype=torch.bool)),
+        "final norm": dict(final_norm=[tensors[26][:-1], tensors[27]]),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            kernels.float_decode_step(**{**args, **change})
+
+
+@pytest.mark.parametrize("target", NARROW_TARGETS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_build_for_narrower_vectors_gives_the_same_steps(target, threads, tmp_path, monkeypatch):
+    """csrc/row_product.c's step built for narrower vectors than the host's (`NARROW_TARGETS`: AVX2's 8
+    lanes, the baseline's 4 without FMA), on one thread and on more threads than output vectors divide
+    evenly among, with an MLP width that ends in a partial vector: the native build's numbers to float
+    rounding, and its tokens."""
+    model = kernelized("gpt2", n_inner=200)
+    ids, mask = padded_batch(300)
+    library = narrow_build(tmp_path, "row_product", target)
+    runs = []
+    for build in (None, library):
+        with monkeypatch.context() as patch:
+            if build is not None:
+                using_library(patch, "row_product", build)
+            calls = record_kernel_calls(patch, "row_product")
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                runs.append(greedy(model, ids, mask))
+            finally:
+                torch.set_num_threads(previous)
+            assert calls.count("hfgpt_float_decode_step") == 7
+    native_run, narrow = runs
+    assert torch.equal(native_run.sequences, narrow.sequences)
+    for got, expected in zip(narrow.scores, native_run.scores, strict=True):
+        torch.testing.assert_close(got, expected, **CLOSE)
