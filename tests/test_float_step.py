@@ -301,3 +301,24 @@ def test_a_build_for_narrower_vectors_gives_the_same_steps(target, threads, tmp_
     assert torch.equal(native_run.sequences, narrow.sequences)
     for got, expected in zip(narrow.scores, native_run.scores, strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_a_large_batch_on_one_thread_steps_through_runs_of_columns(one_calls, monkeypatch):
+    """16 rows on one thread: the MLP's 520 columns are more than the kernel sums at once for that many rows
+    (csrc/row_product.c's runs of columns, which stay in cache while every row reads them)."""
+    model = kernelized("gpt2", n_inner=520)
+    ids = torch.randint(1, 300, (16, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[::3, :2] = 0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = greedy(model, ids, mask, new=3)
+        assert one_calls == [16, 16]
+        block_by_block(monkeypatch)
+        blocks = greedy(model, ids, mask, new=3)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one.sequences, blocks.sequences)
+    for got, expected in zip(one.scores, blocks.scores, strict=True):
+        torch.testing.assert_close(got, expected, **CLOSE)

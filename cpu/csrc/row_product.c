@@ -203,6 +203,8 @@ typedef struct {
     char unused; /* (the float32 products need no scratch) */
 } scratch_t;
 
+#define CACHED_FLOATS 8192 /* 32 KiB: a level-1 data cache */
+
 /* Inside a parallel region: y[r * ldy + o] = sum_i x[r, i] w[i, o] + bias[o]. Each thread takes a run of
  * whole vectors of output columns and reads its piece of each weight row in turn (`add_rows`), eight
  * weight rows at a time for every row of x while they are in cache: one pass over the weight whatever the
@@ -223,10 +225,17 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
             else
                 memset(yr, 0, sizeof(float) * (size_t)(to - from));
         }
-        for (int64_t i = 0; i < in; i += 8) {
-            const int64_t stop = i + 8 < in ? i + 8 : in;
-            for (int64_t r = 0; r < rows; r++)
-                add_rows(x + r * in, l->w + from, out, to - from, i, stop, y + r * ldy + from);
+        /* several rows: runs of columns narrow enough that eight weight rows' pieces and the rows' sums
+         * stay in the level-1 cache while every row reads them */
+        const int64_t fits = CACHED_FLOATS / (8 + rows) / LANES * LANES;
+        const int64_t run = rows == 1 || fits >= to - from ? to - from : (fits > LANES ? fits : LANES);
+        for (int64_t c = from; c < to; c += run) {
+            const int64_t width = c + run < to ? run : to - c;
+            for (int64_t i = 0; i < in; i += 8) {
+                const int64_t stop = i + 8 < in ? i + 8 : in;
+                for (int64_t r = 0; r < rows; r++)
+                    add_rows(x + r * in, l->w + c, out, width, i, stop, y + r * ldy + c);
+            }
         }
     }
 #pragma omp barrier
