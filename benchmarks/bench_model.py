@@ -679,6 +679,8 @@ def _forward(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch.dty
 
 
 def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> list[Row]:
+    """Greedy decoding of left-padded prompts by hfgpt and transformers' model; with the `compile` peer,
+    the plain model compiled beside them (its decoding step, on a static cache: `compiled_decoding`)."""
     rows = []
     new = ctx.profile["new_tokens"]
     for batch in ctx.profile["decode_batches"]:
@@ -686,10 +688,15 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
         # The timed runs' own tokens are compared (OpenAIGPT's recomputing decode is too slow to run twice).
         tokens: dict[str, torch.Tensor] = {}
 
-        def run(name: str, model: nn.Module, p: dict = prompts, out: dict = tokens) -> None:
-            out[name] = _no_grad(greedy, model, p, new)
+        def run(name: str, model: nn.Module, p: dict = prompts, out: dict = tokens, **kwargs: Any) -> None:
+            out[name] = _no_grad(lambda: greedy(model, p, new, **kwargs))
 
         fns = {"hfgpt": lambda: run("hfgpt", ours), "transformers": lambda: run("transformers", peer)}
+        if "compile" in ctx.peers:
+            compiled = plain_hfgpt(ours).eval()
+            kwargs = compiled_decoding(compiled)
+            run(COMPILED, compiled, **kwargs)  # (compiles, untimed)
+            fns[COMPILED] = lambda m=compiled, k=kwargs: run(COMPILED, m, **k)
         repeats_of = {"transformers": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
         timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, repeats_of)
         same = bool(torch.equal(tokens["hfgpt"], tokens["transformers"]))
@@ -704,7 +711,7 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
                     rate=batch * new / timing.median,
                     unit="new tok/s",
                     extra={
-                        "tokens_identical": same,
+                        "tokens_identical": same and bool(torch.equal(tokens[impl], tokens["hfgpt"])),
                         "ms_per_step": 1000 * timing.median / new,
                         "floor_ms_per_step": 1000 * floor,
                         "floor_same_minutes_ms_per_step": 1000 * floor_now,
@@ -1439,6 +1446,10 @@ def _peer_notes(section: str, row: dict) -> str:
         notes.append(f"{ex['s_per_step']:.2f} s/step")
     if "mfu_concurrent" in ex:
         notes.append(f"MFU {100 * ex['mfu_concurrent']:.0f}% against the matmul rate between the runs")
+    if section == "decode":
+        notes.append(
+            f"{ex['ms_per_step']:.1f} ms/step; tokens identical: {'yes' if ex['tokens_identical'] else 'NO'}"
+        )
     return "; ".join(notes)
 
 
@@ -1561,6 +1572,7 @@ SUMMARY_ROWS: list[tuple[str, str, str, str]] = [
     ("decoding, both compiled (static cache), B=1", "compile", "B=1", "hfgpt"),
     ("plain hfgpt + torch.compile: prefill, B=1 x 512", "prefill", "B=1x512, all logits", COMPILED),
     ("plain hfgpt + torch.compile: training step", "train", "B=4x256, fp32, fused AdamW", COMPILED),
+    ("plain hfgpt + torch.compile (static cache): greedy decoding, B=1", "decode", "B=1", COMPILED),
     ("torchao int8 + torch.compile: decoding, B=1", "lowp", "B=1", TORCHAO),
     ("CTranslate2 int8: decoding, B=1", "lowp", "B=1", CTRANSLATE2),
 ]

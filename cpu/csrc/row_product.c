@@ -55,6 +55,23 @@ int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, c
 
 /* acc[:out] += sum over rows i of [from, to) of x[i] w[i, :out], the rows `ld` floats apart; eight rows at a
  * time. */
+/* acc[:n] += x0 p[0, :n] + ... + x7 p[7, :n] (rows `ld` floats apart), for n <= LANES: two sums of four
+ * products, then their sum. Inlined with n = LANES, its loads and stores are whole vectors. */
+static inline __attribute__((always_inline)) void add_eight(const float *p, int64_t ld, float x0, float x1, float x2,
+                                                            float x3, float x4, float x5, float x6, float x7,
+                                                            float *acc, int64_t n)
+{
+    vf s0 = vload_first(p, n) * x0;
+    vf s1 = vload_first(p + ld, n) * x1;
+    s0 += vload_first(p + 2 * ld, n) * x2;
+    s1 += vload_first(p + 3 * ld, n) * x3;
+    s0 += vload_first(p + 4 * ld, n) * x4;
+    s1 += vload_first(p + 5 * ld, n) * x5;
+    s0 += vload_first(p + 6 * ld, n) * x6;
+    s1 += vload_first(p + 7 * ld, n) * x7;
+    vstore_first(acc, vload_first(acc, n) + (s0 + s1), n);
+}
+
 static void add_rows(const float *x, const float *w, int64_t ld, int64_t out, int64_t from, int64_t to, float *acc)
 {
     int64_t i = from;
@@ -62,18 +79,9 @@ static void add_rows(const float *x, const float *w, int64_t ld, int64_t out, in
         const float *p = w + i * ld;
         const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
         const float x4 = x[i + 4], x5 = x[i + 5], x6 = x[i + 6], x7 = x[i + 7];
-        for (int64_t c = 0; c < out; c += LANES) {
-            const int64_t n = out - c;
-            vf s0 = vload_first(p + c, n) * x0;
-            vf s1 = vload_first(p + ld + c, n) * x1;
-            s0 += vload_first(p + 2 * ld + c, n) * x2;
-            s1 += vload_first(p + 3 * ld + c, n) * x3;
-            s0 += vload_first(p + 4 * ld + c, n) * x4;
-            s1 += vload_first(p + 5 * ld + c, n) * x5;
-            s0 += vload_first(p + 6 * ld + c, n) * x6;
-            s1 += vload_first(p + 7 * ld + c, n) * x7;
-            vstore_first(acc + c, vload_first(acc + c, n) + (s0 + s1), n);
-        }
+        int64_t c = 0;
+        for (; c + LANES <= out; c += LANES) add_eight(p + c, ld, x0, x1, x2, x3, x4, x5, x6, x7, acc + c, LANES);
+        if (c < out) add_eight(p + c, ld, x0, x1, x2, x3, x4, x5, x6, x7, acc + c, out - c);
     }
     for (; i < to; i++) {
         const float *p = w + i * ld;
