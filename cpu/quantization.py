@@ -479,10 +479,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
 
     Each Conv1D becomes the equivalent `nn.Linear` first:
     - float32: nothing is quantised: `DecodingLinear` layers give the same values (to float rounding)
-      and the same greedy tokens. Where the CPU has AVX-512 (hfgpt's one-row kernel), decoding steps run
-      faster, at one row and at several; elsewhere slower than the model itself: use the model there
-      (benchmarks/RESULTS.md). The copy holds a second set of weights: drop the original when memory
-      matters.
+      and the same greedy tokens, block by block. The model itself, with the CPU backend, now decodes
+      faster (its steps run in one call into C; benchmarks/RESULTS.md): use the model. The copy holds a
+      second set of weights: drop the original when memory matters.
     - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
       output channel, activations quantised at run time with one scale per 64 inputs, products in
       hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version

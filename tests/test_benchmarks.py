@@ -633,6 +633,18 @@ def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_compiled_plain_model_decodes_beside_hfgpt_with_the_tokens_compared(tmp_path, capsys):
+    argv = ["--tiny", "--families", "gpt2", "--sections", "decode", "--peers", "compile", "--repeats", "1"]
+    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
+    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    compiled = [r for r in rows if r["impl"] == bench_model.COMPILED]
+    assert {r["case"] for r in compiled} == {r["case"] for r in rows if r["impl"] == "hfgpt"}
+    for row in compiled:  # (greedy on a static cache, compiled: the eager models' tokens)
+        assert row["extra"]["tokens_identical"] is True and row["extra"]["ms_per_step"] > 0
+    assert "| gpt2 | decode torch.compile |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_int8_copy_compiled_runs_beside_the_eager_copy_in_lowp(tmp_path):
     argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile", "--repeats", "1"]
     assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
