@@ -14,9 +14,18 @@ from kernel_testing import (  # tests/ is on sys.path
     using_library,
 )
 from test_int8_block import config, padded_batch
+from test_int8_step import (
+    assert_beams_step_in_one_call,
+    assert_changes_are_seen,
+    assert_steps_write_the_cache,
+    block_by_block,
+    greedy,
+    record_steps,
+)
 
-from hfgpt.cpu import decoding, kernelize, kernels, native, unkernelize
+from hfgpt.cpu import kernelize, kernels, native, unkernelize
 from hfgpt.cpu.cache import grow_in_place
+from hfgpt.cpu.decoding import step_tensors
 from hfgpt.cpu.layers import model_forward
 from hfgpt.modeling import GPTForCausalLM
 from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
@@ -39,28 +48,7 @@ def kernelized(family: str, **overrides) -> GPTForCausalLM:
 
 @pytest.fixture
 def one_calls(monkeypatch) -> list[int]:
-    """The batch size of each call of the one-call step."""
-    calls = []
-    step = kernels.float_decode_step
-
-    def recorded(ids, *args):
-        calls.append(ids.numel())
-        return step(ids, *args)
-
-    monkeypatch.setattr(kernels, "float_decode_step", recorded)
-    return calls
-
-
-def block_by_block(monkeypatch) -> None:
-    monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
-
-
-def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8, **kwargs):
-    with torch.no_grad():
-        return model.generate(
-            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
-            output_scores=True, return_dict_in_generate=True, **kwargs,
-        )  # fmt: skip
+    return record_steps(monkeypatch, "float_decode_step")
 
 
 def test_the_backend_swaps_the_one_call_forward_in_and_out():
@@ -88,41 +76,11 @@ def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(family, 
 
 
 def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkeypatch):
-    model = kernelized("gpt2")
-    ids, mask = padded_batch(300)
-
-    def beams() -> torch.Tensor:
-        with torch.no_grad():
-            return model.generate(
-                ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0,
-                eos_token_id=None,
-            )  # fmt: skip
-
-    one = beams()
-    assert one_calls == [9] * 5  # 3 rows of 3 beams, every step after the prompt
-    block_by_block(monkeypatch)
-    assert torch.equal(one, beams())
+    assert_beams_step_in_one_call(kernelized("gpt2"), one_calls, monkeypatch)
 
 
 def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
-    model = kernelized("gpt2")
-    ids, mask = padded_batch(300)
-
-    def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with torch.no_grad():
-            out = model(ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
-            cache, logits = getattr(out, CACHE_FIELD), []
-            for end in range(ids.shape[1] - 3, ids.shape[1]):
-                out = model(ids[:, end : end + 1], attention_mask=mask[:, : end + 1], cache=cache)
-                logits.append(out.logits[:, -1])
-        return torch.stack(logits, 1), [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-    logits, cached = decode()
-    block_by_block(monkeypatch)
-    expected_logits, expected_cached = decode()
-    torch.testing.assert_close(logits, expected_logits, **CLOSE)
-    assert [t.shape[2] for t in cached] == [ids.shape[1]] * 4
-    for got, expected in zip(cached, expected_cached, strict=True):
+    for got, expected in zip(*assert_steps_write_the_cache(kernelized("gpt2"), monkeypatch), strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)
 
 
@@ -196,49 +154,11 @@ def test_block_by_block_wherever_the_one_call_would_skip_something(blocker, one_
 
 def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch):
     """The one call reads the modules' tensors where they are at each step: a parameter replaced, a hook
-    registered, a module put in training mode after a first step."""
+    registered, a dropout module put in training mode after a first step."""
     model = kernelized("gpt2")
-    ids, mask = padded_batch(300)
     block = model.transformer.h[0]
-    bias = block.mlp.c_fc.bias
-
-    def steps(change) -> list[torch.Tensor]:
-        block.mlp.c_fc.bias = bias
-        with torch.no_grad():
-            out = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True)
-            cache = getattr(out, CACHE_FIELD)
-            first = model(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache).logits
-            change()
-            second = model(ids[:, -1:], attention_mask=mask, cache=cache).logits
-        return [first, second]
-
-    def new_bias():
-        block.mlp.c_fc.bias = torch.nn.Parameter(torch.ones_like(bias))
-
-    got = steps(new_bias)
-    assert len(one_calls) == 2
-    with monkeypatch.context() as patch:
-        block_by_block(patch)
-        expected = steps(new_bias)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, **CLOSE)
-    assert not torch.allclose(got[1], steps(lambda: None)[1])  # the new bias changed the step
-    one_calls.clear()
-    seen = []
-    handle = None
-
-    def hook():
-        nonlocal handle
-        handle = block.ln_2.register_forward_hook(lambda m, args, out: seen.append(m))
-
-    steps(hook)
-    assert len(one_calls) == 1 and len(seen) == 1  # the first step in one call, the second through ln_2
-    handle.remove()
-    steps(lambda: block.attn.resid_dropout.train())
-    assert len(one_calls) == 2  # the first step only
-    block.attn.resid_dropout.eval()
-    steps(lambda: None)
-    assert len(one_calls) == 4
+    bias = torch.nn.Parameter(torch.ones_like(block.mlp.c_fc.bias))
+    assert_changes_are_seen(model, one_calls, monkeypatch, bias, block.attn.resid_dropout)
 
 
 @torch.no_grad()
@@ -246,7 +166,7 @@ def test_the_step_operator_refuses_what_the_kernel_would_misread():
     model = kernelized("gpt2")
     ids, mask = padded_batch(300)
     cache = getattr(model(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
-    tensors = decoding.step_tensors(model.transformer)
+    tensors = step_tensors(model.transformer)
     assert len(tensors) == 2 + 2 * kernels.FLOAT_BLOCK_TENSORS + 2
     grow_in_place(cache)
     buffers = [layer.reserve(1) for layer in cache.layers]

@@ -24,18 +24,22 @@ def int8_kernel():
         pytest.skip("no C compiler to build the int8 kernel with")
 
 
-@pytest.fixture
-def one_calls(monkeypatch) -> list[int]:
-    """The batch size of each call of the one-call step."""
+def record_steps(monkeypatch, operator: str) -> list[int]:
+    """The batch size of each call of the one-call step's operator `hfgpt.cpu.kernels.<operator>`."""
     calls = []
-    step = kernels.int8_decode_step
+    step = getattr(kernels, operator)
 
     def recorded(ids, *args):
         calls.append(ids.numel())
         return step(ids, *args)
 
-    monkeypatch.setattr(kernels, "int8_decode_step", recorded)
+    monkeypatch.setattr(kernels, operator, recorded)
     return calls
+
+
+@pytest.fixture
+def one_calls(monkeypatch) -> list[int]:
+    return record_steps(monkeypatch, "int8_decode_step")
 
 
 @pytest.fixture
@@ -56,11 +60,11 @@ def block_by_block(monkeypatch) -> None:
     monkeypatch.setattr(decoding, "decodes_in_one_call", lambda *args: False)
 
 
-def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8):
+def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: int = 8, **kwargs):
     with torch.no_grad():
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-            eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+            eos_token_id=None, output_scores=True, return_dict_in_generate=True, **kwargs,
         )  # fmt: skip
 
 
@@ -100,11 +104,17 @@ def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkey
     """Beam search selects rows of the cache between steps (new tensors, not the buffers' views): the next
     step copies them into buffers of its own and goes on in one call."""
     _, int8 = copies("gpt2")
+    assert_beams_step_in_one_call(int8, one_calls, monkeypatch)
+
+
+def assert_beams_step_in_one_call(model: GPTForCausalLM, one_calls: list[int], monkeypatch) -> None:
+    """Beam search on `padded_batch`: every step after the prompt in one call, of the 9 beams, with the
+    block-by-block sequences."""
     ids, mask = padded_batch(300)
 
     def beams() -> torch.Tensor:
         with torch.no_grad():
-            return int8.generate(
+            return model.generate(
                 ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0,
                 eos_token_id=None,
             )  # fmt: skip
@@ -117,22 +127,7 @@ def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkey
 
 def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
     _, int8 = copies("gpt2")
-    ids, mask = padded_batch(300)
-
-    def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with torch.no_grad():
-            out = int8(ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
-            cache, logits = getattr(out, CACHE_FIELD), []
-            for end in range(ids.shape[1] - 3, ids.shape[1]):
-                out = int8(ids[:, end : end + 1], attention_mask=mask[:, : end + 1], cache=cache)
-                logits.append(out.logits[:, -1])
-        return torch.stack(logits, 1), [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-    logits, cached = decode()
-    block_by_block(monkeypatch)
-    expected_logits, expected_cached = decode()
-    torch.testing.assert_close(logits, expected_logits, **CLOSE)
-    assert [t.shape[2] for t in cached] == [ids.shape[1]] * 4
+    cached, expected_cached = assert_steps_write_the_cache(int8, monkeypatch)
     # the keys and values of c_attn's product, written as they are: the first block's always bit for bit,
     # the next ones' too where the blocks' attention is the backend's decode kernel, as the step's is
     exact = 4 if is_kernelized(int8) else 2
@@ -140,6 +135,29 @@ def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
         assert torch.equal(got, expected)
     for got, expected in zip(cached[exact:], expected_cached[exact:], strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def assert_steps_write_the_cache(model: GPTForCausalLM, monkeypatch) -> tuple[list[torch.Tensor], ...]:
+    """Three steps after a prompt of `padded_batch`, in one call each and block by block: the same logits
+    to float rounding and caches of the same length; returns both caches' keys and values."""
+    ids, mask = padded_batch(300)
+
+    def decode() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            out = model(ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
+            cache, logits = getattr(out, CACHE_FIELD), []
+            for end in range(ids.shape[1] - 3, ids.shape[1]):
+                out = model(ids[:, end : end + 1], attention_mask=mask[:, : end + 1], cache=cache)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1), [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    logits, cached = decode()
+    with monkeypatch.context() as patch:
+        block_by_block(patch)
+        expected_logits, expected_cached = decode()
+    torch.testing.assert_close(logits, expected_logits, **CLOSE)
+    assert [t.shape[2] for t in cached] == [ids.shape[1]] * 4
+    return cached, expected_cached
 
 
 def test_a_step_grows_the_cache_buffers_it_fills(one_calls, monkeypatch):
@@ -211,28 +229,38 @@ def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch)
     """The one call reads the modules' tensors where they are at each step: a buffer replaced, a hook
     registered or removed, a module put in training mode after a first step."""
     _, int8 = copies("gpt2")
-    ids, mask = padded_batch(300)
     block = int8.transformer.h[0]
+    assert_changes_are_seen(int8, one_calls, monkeypatch, torch.ones_like(block.mlp.c_fc.bias), block.attn)
+
+
+def assert_changes_are_seen(
+    model: GPTForCausalLM, one_calls: list[int], monkeypatch, new_bias: torch.Tensor, module: torch.nn.Module
+) -> None:
+    """Two steps after a prompt of `padded_batch`, with a change between them: the first block's c_fc
+    bias replaced by `new_bias` (the block-by-block numbers), a hook on its ln_2 (the second step through
+    it), `module` put in training mode (the second step not in one call)."""
+    ids, mask = padded_batch(300)
+    block = model.transformer.h[0]
     bias = block.mlp.c_fc.bias
 
     def steps(change) -> list[torch.Tensor]:
         block.mlp.c_fc.bias = bias
         with torch.no_grad():
-            out = int8(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True)
+            out = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True)
             cache = getattr(out, CACHE_FIELD)
-            first = int8(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache).logits
+            first = model(ids[:, -2:-1], attention_mask=mask[:, :-1], cache=cache).logits
             change()
-            second = int8(ids[:, -1:], attention_mask=mask, cache=cache).logits
+            second = model(ids[:, -1:], attention_mask=mask, cache=cache).logits
         return [first, second]
 
-    def new_bias():
-        block.mlp.c_fc.bias = torch.ones_like(bias)
+    def replace_bias():
+        block.mlp.c_fc.bias = new_bias
 
-    got = steps(new_bias)
+    got = steps(replace_bias)
     assert len(one_calls) == 2
     with monkeypatch.context() as patch:
         block_by_block(patch)
-        expected = steps(new_bias)
+        expected = steps(replace_bias)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **CLOSE)
     assert not torch.allclose(got[1], steps(lambda: None)[1])  # the new bias changed the step
@@ -247,9 +275,9 @@ def test_a_change_between_steps_is_seen_by_the_next_step(one_calls, monkeypatch)
     steps(hook)
     assert len(one_calls) == 1 and len(seen) == 1  # the first step in one call, the second through ln_2
     handle.remove()
-    steps(lambda: block.attn.train())
+    steps(lambda: module.train())
     assert len(one_calls) == 2  # the first step only
-    block.attn.eval()
+    module.eval()
     steps(lambda: None)
     assert len(one_calls) == 4
 

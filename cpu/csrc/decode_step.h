@@ -8,7 +8,9 @@
  *   scratch_t   what its products need besides their arguments;
  *   layer_product(l, x, rows, in, y, ldy, sc)
  *               y[r * ldy + o] = (x[r] W^T)[o] + b[o] for r < rows, o < l->out; x: rows x in floats;
- *               called by every thread of a parallel region, and ends on a barrier.
+ *               called by every thread of a parallel region, and ends on a barrier;
+ *   LAYER_POINTERS  how many pointers describe a block in `decode_step`'s `layers`;
+ * and after it `block_at`, which reads them.
  *
  * Per block, for `rows` rows of n features (GPT-2's pre-norm order, or GPT-1's post-norm one):
  *   norm_linear   qkv = W_qkv LN1(h) + b  (pre-norm; post-norm: W_qkv h + b)
@@ -22,6 +24,7 @@
 #define HFGPT_DECODE_STEP_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "decode_attention.h"
@@ -112,26 +115,39 @@ static void block_tail(const float *attn, const float *h, float *y, int64_t rows
  * overhead at one row was a sizeable share of a step.
  *
  * ids, positions: [rows] token and position ids (checked by the caller), looked up in wte [vocab][n] and
- * wpe [positions][n]. blocks[l]: block l's norms and layers. keys[l], values[l]: block l's cache,
- * [rows][heads][capacity[l]][HEAD_SIZE] floats whose first `past` positions hold the cached keys and
- * values; the step writes position `past` (< capacity[l]) and attends positions 0 .. past, those with
- * mask[b * mask_stride + j] != 0 (mask NULL: all). scaling[l]: block l's attention scale; eps: its layer
- * norms'. lnf_w, lnf_b: the final layer norm (NULL: none, GPT-1's order). y: [rows][n], the last hidden
- * states. work: rows x (11 n + inner) floats; scores: rows x heads x (past + 1) floats.
+ * wpe [positions][n]. layers: LAYER_POINTERS pointers a block (a macro of the including file), which its
+ * `block_at` reads. keys[l], values[l]: block l's cache, [rows][heads][capacity[l]][HEAD_SIZE] floats whose
+ * first `past` positions hold the cached keys and values; the step writes position `past` (< capacity[l])
+ * and attends positions 0 .. past, those with mask[b * mask_stride + j] != 0 (mask NULL: all). scaling[l]:
+ * block l's attention scale; eps: its layer norms'. lnf_w, lnf_b: the final layer norm (NULL: none, GPT-1's
+ * order). y: [rows][n], the last hidden states. Returns 0, or 1 where scratch memory could not be allocated.
  */
 typedef struct {
     const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
     layer_t qkv, proj, fc, mproj;
 } block_t;
 
-static void decode_step(const int64_t *ids, const int64_t *positions, const float *wte, const float *wpe,
-                        int64_t rows, int64_t n, int64_t heads, int64_t n_layer, int pre_norm, float eps,
-                        const float *scaling, const block_t *blocks, float *const *keys, float *const *values,
-                        const int64_t *capacity, int64_t past, const uint8_t *mask, int64_t mask_stride,
-                        const float *lnf_w, const float *lnf_b, float lnf_eps, float *y, float *work,
-                        float *scores, const scratch_t *sc, int threads)
+/* Defined by the including file (after this header): a block's norms and layers from its LAYER_POINTERS
+ * pointers, for n features and an MLP of `inner`. */
+static block_t block_at(const void *const *p, int64_t n, int64_t inner);
+
+static int decode_step(const int64_t *ids, const int64_t *positions, const float *wte, const float *wpe,
+                       int64_t rows, int64_t n, int64_t heads, int64_t inner, int64_t n_layer, int pre_norm,
+                       float eps, const float *scaling, const void *const *layers, float *const *keys,
+                       float *const *values, const int64_t *capacity, int64_t past, const uint8_t *mask,
+                       int64_t mask_stride, const float *lnf_w, const float *lnf_b, float lnf_eps, float *y,
+                       const scratch_t *sc, int threads)
 {
     const int64_t keys_seen = past + 1;
+    /* the hidden states in and out of a block, c_attn's output, the attention's, LN1's, block_tail's work */
+    float *work = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * n + n + n + 4 * n + inner)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * keys_seen));
+    block_t *blocks = (block_t *)malloc(sizeof(block_t) * (size_t)(n_layer > 0 ? n_layer : 1));
+    if (!work || !scores || !blocks) {
+        free(work), free(scores), free(blocks);
+        return 1;
+    }
+    for (int64_t l = 0; l < n_layer; l++) blocks[l] = block_at(layers + l * LAYER_POINTERS, n, inner);
     float *const first = work, *const second = first + rows * n, *qkv = second + rows * n;
     float *attn = qkv + rows * 3 * n, *normed = attn + rows * n, *tail = normed + rows * n;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -165,13 +181,8 @@ static void decode_step(const int64_t *ids, const int64_t *positions, const floa
             for (int64_t r = 0; r < rows; r++) memcpy(y + r * n, h + r * n, sizeof(float) * (size_t)n);
         }
     }
-}
-
-/* Floats of `decode_step`'s `work` for `rows` rows: the hidden states in and out of a block, c_attn's
- * output, the attention's, LN1's, then `block_tail`'s work. */
-static inline int64_t decode_step_work(int64_t rows, int64_t n, int64_t inner)
-{
-    return rows * (2 * n + 3 * n + n + n + 4 * n + inner);
+    free(work), free(scores), free(blocks);
+    return 0;
 }
 
 #endif

@@ -422,6 +422,7 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
     product(x, rows, in, in, l->w, l->out, l->inp, l->scale, l->bias, y, ldy, sc);
 }
 
+#define LAYER_POINTERS 16 /* a block's pointers in `hfgpt_int8_decode_step`'s layers (`block_at`) */
 #include "decode_step.h"
 
 /* y = W LN(x) + b, or W x + b where ln_w is NULL. Returns 0, or 1 (no memory). */
@@ -471,14 +472,12 @@ int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t r
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * One decoding step of a whole int8 decoding copy in one call (`hfgpt.cpu.decoding`):
- * decode_step.h's `decode_step` on the int8 layers. layers: LAYER_POINTERS pointers per block, in the order
- * `block_at` reads them: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the
- * MLP's c_proj, each as packed weight, scales and bias. The other arguments are `decode_step`'s. Returns 0,
- * or 1 where scratch memory could not be allocated.
+ * One decoding step of a whole int8 decoding copy in one call (`hfgpt.cpu.decoding`): decode_step.h's
+ * `decode_step` on the int8 layers. layers: LAYER_POINTERS pointers per block, in the order `block_at`
+ * reads them: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's
+ * c_proj, each as packed weight, scales and bias. Returns 0, or 1 where scratch memory could not be
+ * allocated.
  */
-#define LAYER_POINTERS 16
-
 static block_t block_at(const void *const *p, int64_t n, int64_t inner)
 {
     const int64_t n_inp = (n + BLOCK - 1) / BLOCK * BLOCK, inner_inp = (inner + BLOCK - 1) / BLOCK * BLOCK;
@@ -502,16 +501,10 @@ int hfgpt_int8_decode_step(const int64_t *ids, const int64_t *positions, const f
     if (rows <= 0) return 0;
     const int64_t widest = inner > n ? inner : n;
     scratch_t sc;
-    float *work = (float *)malloc(sizeof(float) * (size_t)decode_step_work(rows, n, inner));
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * (past + 1)));
-    block_t *blocks = (block_t *)malloc(sizeof(block_t) * (size_t)(n_layer > 0 ? n_layer : 1));
-    if (!scratch_alloc(&sc, rows, (widest + BLOCK - 1) / BLOCK * BLOCK) || !work || !scores || !blocks) {
-        scratch_free(&sc), free(work), free(scores), free(blocks);
-        return 1;
-    }
-    for (int64_t l = 0; l < n_layer; l++) blocks[l] = block_at(layers + l * LAYER_POINTERS, n, inner);
-    decode_step(ids, positions, wte, wpe, rows, n, heads, n_layer, pre_norm, eps, scaling, blocks, keys, values,
-                capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, work, scores, &sc, threads);
-    scratch_free(&sc), free(work), free(scores), free(blocks);
-    return 0;
+    int status = 1;
+    if (scratch_alloc(&sc, rows, (widest + BLOCK - 1) / BLOCK * BLOCK))
+        status = decode_step(ids, positions, wte, wpe, rows, n, heads, inner, n_layer, pre_norm, eps, scaling, layers,
+                             keys, values, capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, &sc, threads);
+    scratch_free(&sc);
+    return status;
 }

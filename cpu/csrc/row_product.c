@@ -249,12 +249,20 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
 #pragma omp barrier
 }
 
+#define LAYER_POINTERS 12 /* a block's pointers in `hfgpt_float_decode_step`'s layers (`block_at`) */
 #include "decode_step.h"
 
 /* The step (decode_step.h): layers holds LAYER_POINTERS pointers a block: ln_1's weight and bias, ln_2's,
  * then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as weight [in][out] and bias. The
  * other arguments are `decode_step`'s. Returns 0, or 1 where scratch memory could not be allocated. */
-#define LAYER_POINTERS 12
+static block_t block_at(const void *const *pointers, int64_t n, int64_t inner)
+{
+    const float *const *p = (const float *const *)pointers;
+    const block_t b = {
+        p[0], p[1], p[2], p[3], {p[4], 3 * n, p[5]}, {p[6], n, p[7]}, {p[8], inner, p[9]}, {p[10], n, p[11]},
+    };
+    return b;
+}
 
 int hfgpt_float_decode_step(const int64_t *ids, const int64_t *positions, const float *wte, const float *wpe,
                             int64_t rows, int64_t n, int64_t heads, int64_t inner, int64_t n_layer, int pre_norm,
@@ -265,23 +273,6 @@ int hfgpt_float_decode_step(const int64_t *ids, const int64_t *positions, const 
 {
     if (rows <= 0) return 0;
     const scratch_t sc = {0};
-    float *work = (float *)malloc(sizeof(float) * (size_t)decode_step_work(rows, n, inner));
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(rows * heads * (past + 1)));
-    block_t *blocks = (block_t *)malloc(sizeof(block_t) * (size_t)(n_layer > 0 ? n_layer : 1));
-    if (!work || !scores || !blocks) {
-        free(work), free(scores), free(blocks);
-        return 1;
-    }
-    for (int64_t l = 0; l < n_layer; l++) {
-        const float *const *p = (const float *const *)(layers + l * LAYER_POINTERS);
-        const block_t b = {
-            p[0], p[1], p[2], p[3],
-            {p[4], 3 * n, p[5]}, {p[6], n, p[7]}, {p[8], inner, p[9]}, {p[10], n, p[11]},
-        };
-        blocks[l] = b;
-    }
-    decode_step(ids, positions, wte, wpe, rows, n, heads, n_layer, pre_norm, eps, scaling, blocks, keys, values,
-                capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, work, scores, &sc, threads);
-    free(work), free(scores), free(blocks);
-    return 0;
+    return decode_step(ids, positions, wte, wpe, rows, n, heads, inner, n_layer, pre_norm, eps, scaling, layers, keys,
+                       values, capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, &sc, threads);
 }
