@@ -15,6 +15,7 @@ its Conv1D layers (`hfgpt.cpu.layers`), the int8 copy's `Int8Block` (`hfgpt.cpu.
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -187,11 +188,11 @@ def step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
     modules, tensors and settings as the same objects under the same names, no hook, dropout's modules
     in eval mode. A step finds them unchanged in a few microseconds, where the checks take a
     sizeable share of a step; anything changed runs the full checks again."""
-    watch = model.__dict__.get(_WATCH)
+    watch = _WATCHES.get(model)
     if watch is None or not watch.unchanged():
         kind = _kernel_computes(model)
         watch = None if kind is None else _StepWatch(model, kind)
-        model.__dict__[_WATCH] = watch
+        _WATCHES[model] = watch
         if watch is None or not watch.unchanged():  # (hooks or training: the checks leave those to it)
             return None
     return None if needs_grad(*watch.tensors) else watch.tensors
@@ -276,7 +277,7 @@ def _decoding_step(
     else:
         positions = position_ids.to(torch.int64).expand(batch, 1).reshape(batch).contiguous()
     # (the tensors `decodes_in_one_call` checked: wte's and wpe's weights, the blocks', the final norm's)
-    watch = model.__dict__[_WATCH]
+    watch = _WATCHES[model]
     tensors, kind = watch.tensors, watch.kind
     blocks = list(model._modules["h"])
     ln_f = model._modules.get("ln_f")
@@ -303,8 +304,10 @@ def _decoding_step(
     return BaseModelOutputWithPast(last_hidden_state=hidden.view(batch, 1, -1), **{CACHE_FIELD: cache})
 
 
-# Where a model's `GPTModel` keeps the `_StepWatch` of its last full check (`step_tensors`).
-_WATCH = "_hfgpt_step_watch"
+# Each `GPTModel`'s `_StepWatch` of its last full check (`step_tensors`), beside the model rather than in it:
+# a copy of the model (`copy.deepcopy`, pickling) would carry copies of the dictionaries it watches, not the
+# copy's own, and so miss a change made to the copy. (A watch holds the model's parts, never the model.)
+_WATCHES: "weakref.WeakKeyDictionary[GPTModel, _StepWatch]" = weakref.WeakKeyDictionary()
 
 
 class _StepWatch:

@@ -242,3 +242,23 @@ def test_a_large_batch_on_one_thread_steps_through_runs_of_columns(one_calls, mo
     assert torch.equal(one.sequences, blocks.sequences)
     for got, expected in zip(one.scores, blocks.scores, strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_a_copy_of_a_model_checks_its_own_modules(one_calls):
+    """A model copied after its first one-call step (`copy.deepcopy`) checks the copy's modules: a forward
+    of the user's own set on the copy's layer runs, and no step of the copy skips it."""
+    model = kernelized("gpt2")
+    ids, mask = padded_batch(300)
+    greedy(model, ids, mask, new=2)
+    assert one_calls == [3]
+    twin = copy.deepcopy(model)
+    greedy(twin, ids, mask, new=2)
+    assert one_calls == [3, 3]
+    seen = []
+    layer = twin.transformer.h[0].mlp.c_fc
+    plain_forward = type(layer).forward.__get__(layer)
+    layer.forward = lambda x: seen.append(x.shape) or plain_forward(x)
+    greedy(twin, ids, mask, new=2)
+    assert one_calls == [3, 3] and len(seen) == 2  # the prompt's and the step's, through the layer
+    greedy(model, ids, mask, new=2)
+    assert one_calls == [3, 3, 3]  # (the original is unchanged)
