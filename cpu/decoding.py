@@ -2,10 +2,10 @@
 models and for the int8 decoding copy.
 
 Block by block, a decoding step of GPT-2 makes about 40 calls into C and torch with Python between them
-(the checks, the attention's reshapes, the cache's writes), which at one row cost about as long as a
-third of the products themselves. `one_call_forward`, set on a `GPTModel` instance in place of its
-`forward` (by `kernelize` and by `quantize_for_decoding`), runs the embeddings, every block with its
-attention on the cache, and the final layer norm in one OpenMP parallel region
+(the checks, the attention's reshapes, the cache's writes): at one row its blocks took about 1.5x as long
+as in one call (benchmarks/RESULTS.md). `one_call_forward`, set on a `GPTModel` instance in place of its
+`forward` (by `kernelize`, through `model_forward`, and by `quantize_for_decoding`), runs the embeddings,
+every block with its attention on the cache, and the final layer norm in one OpenMP parallel region
 (`torch.ops.hfgpt.float_decode_step` or `int8_decode_step`), wherever that computes what
 `GPTModel.forward` would; everything else runs `GPTModel.forward`.
 
