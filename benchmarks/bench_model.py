@@ -683,6 +683,8 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
     the plain model compiled beside them (its decoding step, on a static cache: `compiled_decoding`)."""
     rows = []
     new = ctx.profile["new_tokens"]
+    compiled = plain_hfgpt(ours).eval() if "compile" in ctx.peers else None
+    kwargs = compiled_decoding(compiled) if compiled is not None else {}
     for batch in ctx.profile["decode_batches"]:
         prompts = left_padded_prompts(batch, ctx.profile["prompt_len"], ours.config.vocab_size, 0, ctx.device)
         # The timed runs' own tokens are compared (OpenAIGPT's recomputing decode is too slow to run twice).
@@ -692,10 +694,8 @@ def decode_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> 
             out[name] = _no_grad(lambda: greedy(model, p, new, **kwargs))
 
         fns = {"hfgpt": lambda: run("hfgpt", ours), "transformers": lambda: run("transformers", peer)}
-        if "compile" in ctx.peers:
-            compiled = plain_hfgpt(ours).eval()
-            kwargs = compiled_decoding(compiled)
-            run(COMPILED, compiled, **kwargs)  # (compiles, untimed)
+        if compiled is not None:
+            run(COMPILED, compiled, **kwargs)  # (compiles for this batch, untimed)
             fns[COMPILED] = lambda m=compiled, k=kwargs: run(COMPILED, m, **k)
         repeats_of = {"transformers": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
         timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, repeats_of)
@@ -741,7 +741,7 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
     if ctx.device == "cpu":
         if ctx.bfloat16:
             variants["hfgpt bf16"] = module_decoder(quantize_for_decoding(ours, torch.bfloat16))
-        variants["hfgpt int8"] = module_decoder(quantize_for_decoding(ours))
+        variants[INT8] = module_decoder(quantize_for_decoding(ours))
         if "compile" in ctx.peers:
             int8 = quantize_for_decoding(ours)
             variants[INT8_COMPILED] = module_decoder(int8, **compiled_decoding(int8))
@@ -1567,7 +1567,7 @@ SUMMARY_ROWS: list[tuple[str, str, str, str]] = [
     ("greedy decoding, B=8", "decode", "B=8", "hfgpt"),
     ("decoding copy, float32, B=1", "lowp", "B=1", "hfgpt fp32 copy"),
     ("decoding copy, bfloat16, B=1", "lowp", "B=1", "hfgpt bf16"),
-    ("decoding copy, int8, B=1", "lowp", "B=1", "hfgpt int8"),
+    ("decoding copy, int8, B=1", "lowp", "B=1", INT8),
     ("decoding copy, int8 + torch.compile (static cache), B=1", "lowp", "B=1", INT8_COMPILED),
     ("decoding, both compiled (static cache), B=1", "compile", "B=1", "hfgpt"),
     ("plain hfgpt + torch.compile: prefill, B=1 x 512", "prefill", "B=1x512, all logits", COMPILED),

@@ -34,6 +34,7 @@ from .ops import (
     has_forward_hooks,
     has_global_forward_hooks,
     has_storage,
+    layer_norm_fits_kernel,
     needs_grad,
     plain_tensors,
 )
@@ -45,14 +46,13 @@ class StepKind:
 
     `layer_tensors`: the names of each linear layer's tensors (parameters or buffers) the operator reads,
     in its order; `computes(block, width)`: whether the operator computes what `block` would for hidden
-    states of `width` (its layers, norms, activation and mode, no hook on a part it would skip); `inner`:
-    a block's MLP width; `available`: whether the operator's C code is built; `step`: the operator's name in
+    states of `width` (its layers, norms, activation and mode, no hook on a part it would skip, the
+    operator's C code built); `inner`: a block's MLP width; `step`: the operator's name in
     `hfgpt.cpu.kernels`."""
 
     layer_tensors: tuple[str, ...]
     computes: Callable[[nn.Module, int], bool]
     inner: Callable[[nn.Module], int]
-    available: Callable[[], bool]
     step: str
 
     @property
@@ -221,18 +221,11 @@ def _kernel_computes(model: GPTModel) -> StepKind | None:
         )
     ):
         return None
-    if ln_f is not None and not (
-        type(ln_f) is nn.LayerNorm
-        and ln_f.normalized_shape == (width,)
-        and all(
-            p is not None and float32_vector(p, (width,)) and plain_tensors(p)
-            for p in (ln_f.weight, ln_f.bias)
-        )
-    ):
+    if ln_f is not None and not layer_norm_fits_kernel(ln_f, width):
         return None
     blocks = list(modules["h"])
     kind = STEP_KINDS.get(type(blocks[0])) if blocks else None
-    if kind is None or not kind.available() or any(type(block) is not type(blocks[0]) for block in blocks):
+    if kind is None or any(type(block) is not type(blocks[0]) for block in blocks):
         return None
     # (code the step would not run: the blocks' parts are the kind's to check)
     if any(m is not None and has_forward_hooks(m) for m in (wte, wpe, modules["drop"], ln_f, *blocks)):

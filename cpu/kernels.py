@@ -748,11 +748,11 @@ def _check_step(
     scalings: list[float],
     final_norm: list[Tensor],
     types: dict[torch.dtype, list[Tensor]],
-) -> tuple[int, int]:
+) -> int:
     """What a decoding step's C code (`int8_decode_step`, `float_decode_step`) would misread, but for each
     block's own shapes: raises a ValueError naming the argument at fault. `types`: the tensors of each
     dtype, each one contiguous (the embeddings, caches and final norm among the float32 ones). Returns the
-    rows and the width."""
+    width."""
     layers, rows = len(keys), ids.numel()
     if layers == 0 or len(values) != layers or len(scalings) != layers:
         raise ValueError(
@@ -802,7 +802,7 @@ def _check_step(
             raise ValueError(
                 f"hfgpt::{op}: mask must be ({rows}, {past + 1}) with contiguous rows, got {tuple(mask.shape)}"
             )
-    return rows, width
+    return width
 
 
 def _run_step(
@@ -877,7 +877,7 @@ def int8_decode_step(
     packed, vectors = (list(packed_at(blocks)), vectors_at(blocks)) if grouped else ([], blocks)
     floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
     types = {torch.uint8: packed, torch.float32: floats}
-    _, width = _check_step(
+    width = _check_step(
         op,
         INT8_BLOCK_TENSORS,
         ids,
@@ -956,7 +956,7 @@ def float_decode_step(
     c_proj, c_fc and the MLP's c_proj, each as its Conv1D weight `[in, out]` and bias."""
     op, layers = "float_decode_step", len(keys)
     types = {torch.float32: [wte, wpe, *keys, *values, *final_norm, *blocks]}
-    _, width = _check_step(
+    width = _check_step(
         op,
         FLOAT_BLOCK_TENSORS,
         ids,

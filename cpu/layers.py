@@ -355,16 +355,13 @@ def _float_block_computes(block: GPTBlock, width: int) -> bool:
             for layer, shape in zip(layers, shapes, strict=True)
         )
         or mlp.act is not modeling_hfgpt.gelu_tanh
-        or type(ln_1) is not nn.LayerNorm
-        or type(ln_2) is not nn.LayerNorm
-        or len(norms) != 4
-        or any(p is None for p in norms)
+        or not (ops.layer_norm_fits_kernel(ln_1, width) and ops.layer_norm_fits_kernel(ln_2, width))
         or ln_1.eps != ln_2.eps
-        or not all(ops.float32_vector(p, (width,)) for p in norms)
         or not ops.plain_tensors(*tensors)
         or ops.needs_grad(*tensors)
         or (interface is not None and getattr(interface, "__func__", None) is not attention_function)
         or any(ops.has_forward_hooks(module) for module in (attn, mlp, ln_1, ln_2, *layers, *dropouts))
+        or not kernels.available("row_product")
     )
 
 
@@ -372,7 +369,6 @@ decoding.STEP_KINDS[GPTBlock] = decoding.StepKind(
     layer_tensors=("weight", "bias"),
     computes=_float_block_computes,
     inner=lambda block: block.mlp.c_fc.nf,
-    available=lambda: kernels.available("row_product"),
     step="float_decode_step",
 )
 

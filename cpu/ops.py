@@ -329,6 +329,19 @@ def float32_vector(tensor: torch.Tensor, shape: tuple[int, ...]) -> bool:
     )
 
 
+def layer_norm_fits_kernel(norm: nn.Module, width: int) -> bool:
+    """Whether `norm` is an affine `nn.LayerNorm` over `width` features whose weight and bias a kernel reads
+    as plain arrays of floats (`float32_vector`, plain tensors)."""
+    return (
+        type(norm) is nn.LayerNorm
+        and norm.normalized_shape == (width,)
+        and all(
+            p is not None and float32_vector(p, (width,)) and plain_tensors(p)
+            for p in (norm._parameters.get("weight"), norm._parameters.get("bias"))
+        )
+    )
+
+
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 

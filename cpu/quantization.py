@@ -31,6 +31,7 @@ from .ops import (
     gelu_tanh,
     has_forward_hooks,
     has_storage,
+    layer_norm_fits_kernel,
     needs_grad,
     one_row_bfloat16,
     onednn_bfloat16_runs,
@@ -291,7 +292,6 @@ class Int8Block(GPTBlock):
         throughout, affine layer norms of one epsilon, the tanh GELU, and no hook on a module the fused
         path would not call."""
         attn, mlp, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = parts = self._parts()
-        norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
         if (
             self.training
             or attn.training
@@ -302,20 +302,13 @@ class Int8Block(GPTBlock):
             or type(mlp_proj) is not Int8Linear
             or c_attn.in_features != width
             or mlp.act not in (gelu_tanh, plain_gelu_tanh)
-            or type(ln_1) is not nn.LayerNorm
-            or type(ln_2) is not nn.LayerNorm
-            or len(norms) != 4
-            or any(p is None for p in norms)
+            or not (layer_norm_fits_kernel(ln_1, width) and layer_norm_fits_kernel(ln_2, width))
             or ln_1.eps != ln_2.eps
-            or ln_1.normalized_shape != (width,)
-            or ln_2.normalized_shape != (width,)
-            or not all(float32_vector(p, (width,)) for p in norms)  # the kernel reads them as arrays
             or not all(layer.buffers_fit_kernel() for layer in (c_attn, c_proj, c_fc, mlp_proj))
-            or needs_grad(*norms)
+            or needs_grad(ln_1.weight, ln_1.bias, ln_2.weight, ln_2.bias)
             or torch.is_autocast_enabled("cpu")
             or torch.jit.is_tracing()
             or any(has_forward_hooks(module) for module in parts)  # code the fused path would not run
-            or not plain_tensors(*norms)
         ):
             return False
         return kernels.int8_fused_available()
@@ -376,7 +369,6 @@ STEP_KINDS[Int8Block] = StepKind(
         block.fusable(width) and all(layer.bias is not None for layer in block._parts()[4:])
     ),
     inner=lambda block: block.mlp.c_fc.out_features,
-    available=kernels.int8_fused_available,
     step="int8_decode_step",
 )
 

@@ -53,8 +53,6 @@ int hfgpt_row_product(const float *x, const float *w, int64_t out, int64_t in, c
     return 0;
 }
 
-/* acc[:out] += sum over rows i of [from, to) of x[i] w[i, :out], the rows `ld` floats apart; eight rows at a
- * time. */
 /* acc[:n] += x0 p[0, :n] + ... + x7 p[7, :n] (rows `ld` floats apart), for n <= LANES: two sums of four
  * products, then their sum. Inlined with n = LANES, its loads and stores are whole vectors. */
 static inline __attribute__((always_inline)) void add_eight(const float *p, int64_t ld, float x0, float x1, float x2,
@@ -72,6 +70,8 @@ static inline __attribute__((always_inline)) void add_eight(const float *p, int6
     vstore_first(acc, vload_first(acc, n) + (s0 + s1), n);
 }
 
+/* acc[:out] += sum over rows i of [from, to) of x[i] w[i, :out], the rows `ld` floats apart; eight rows at a
+ * time (`add_eight`). */
 static void add_rows(const float *x, const float *w, int64_t ld, int64_t out, int64_t from, int64_t to, float *acc)
 {
     int64_t i = from;
