@@ -136,6 +136,23 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
+@_decoding_op(mutates_args=("x",))
+def gelu_tanh_(x: Tensor) -> None:
+    """`gelu_tanh` written over `x`, a contiguous float32 CPU tensor (csrc/gelu.c): the MLP's activation
+    in inference, where nothing else holds c_fc's output (`hfgpt.cpu.ops.IN_PLACE`)."""
+    _expect("gelu_tanh_", torch.float32, rows_contiguous=False, x=x)
+    _contiguous("gelu_tanh_", x=x)
+    status = _library("gelu").hfgpt_gelu_forward(
+        x.data_ptr(), x.data_ptr(), x.numel(), torch.get_num_threads()
+    )
+    _ok(status, "gelu_tanh_", f"{x.numel()} elements")
+
+
+@torch.library.register_fake("hfgpt::gelu_tanh_")
+def _(x: Tensor) -> None:
+    return None
+
+
 @torch.library.custom_op("hfgpt::gelu_tanh_backward", mutates_args=(), device_types="cpu")
 def gelu_tanh_backward(grad: Tensor, x: Tensor) -> Tensor:
     """The gradient of `gelu_tanh` at `x` times `grad` (`aten.gelu_backward(grad, x, approximate="tanh")`)."""

@@ -41,7 +41,8 @@ from torch.nn.modules.module import (
 )
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from . import kernels
+from . import kernels, runtime
+from .huge_pages import huge_page_buffer
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +68,19 @@ def _native_gelu_applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.is_contiguous() and kernel_runs("gelu", x)
 
 
+def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh` written over `x`, which it returns: hfgpt's C kernel where `gelu_tanh` runs it, else
+    torch's in-place tanh GELU."""
+    if _native_gelu_applies(x) and has_storage(x):
+        kernels.gelu_tanh_(x)
+        return x
+    return torch.ops.aten.gelu_(x, approximate="tanh")
+
+
 # Each of those functions overwriting its input, for the MLP when nothing else can hold that input: the
 # 4E-wide activation then needs no fresh buffer, whose pages would be faulted in on their first writes.
 IN_PLACE: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
-    gelu_tanh: lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    gelu_tanh: gelu_tanh_,
     F.gelu: torch.ops.aten.gelu_,
     F.relu: torch.relu_,
     F.silu: lambda x: F.silu(x, inplace=True),
@@ -956,6 +966,29 @@ def weight_blocks(
             yield start, stop, block.copy_(weight[start:stop])
 
 
+HUGE_PAGES_FROM = 32 << 20  # bytes: glibc's malloc maps any block this large afresh from the kernel
+
+
+def large_empty(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised (rows, columns) tensor like `like` (`new_empty`); for a plain CPU tensor of
+    `HUGE_PAGES_FROM` bytes or more, in transparent huge pages (`huge_page_buffer`, where Linux gives them).
+
+    Memory that large comes fresh from the kernel on every call (malloc maps it, and unmaps it when freed),
+    and its first writes fault it in: 4 KiB pages cost GPT-2's logits of 512 positions (103 MB) about a
+    tenth of the head's product, 2 MiB pages a fraction of that (benchmarks/RESULTS.md). After
+    `hfgpt.cpu.runtime.keep_freed_memory()` malloc's heap serves it already faulted in, so torch's memory."""
+    nbytes = rows * columns * like.element_size()
+    if (
+        nbytes < HUGE_PAGES_FROM
+        or like.device.type != "cpu"
+        or not plain_tensors(like)
+        or runtime.freed_memory_kept()
+    ):
+        return like.new_empty(rows, columns)
+    buffer, _ = huge_page_buffer(nbytes)
+    return buffer.view(like.dtype).view(rows, columns)
+
+
 def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` (contiguous
     logits), else written into rows padded to a multiple of 64 elements, returning the unpadded view.
@@ -970,7 +1003,7 @@ def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if hidden.dtype == weight.dtype and onednn_products_apply(hidden, weight):
         return onednn_mm(hidden, weight)
     vocab = weight.shape[0]
-    buffer = hidden.new_empty(hidden.shape[0], -(-vocab // 64) * 64)
+    buffer = large_empty(hidden.shape[0], -(-vocab // 64) * 64, hidden)
     logits = buffer[:, :vocab]
     if weight.dtype == hidden.dtype:
         return torch.mm(hidden, weight.T, out=logits)

@@ -10,6 +10,8 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 KEEP_FREED_BYTES = 2**31 - 1  # the largest trim threshold mallopt takes (an int)
 
+_kept = False  # whether `keep_freed_memory` was applied in this process
+
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc serve every allocation from its heap and keep freed memory for reuse, instead
@@ -31,4 +33,12 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
+    global _kept
+    _kept = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
+    return _kept
+
+
+def freed_memory_kept() -> bool:
+    """Whether `keep_freed_memory()` was applied in this process: large blocks then come from malloc's
+    heap, already faulted in, rather than fresh from the kernel."""
+    return _kept

@@ -182,3 +182,35 @@ def test_a_build_for_narrower_vectors_gives_the_same_gelu(target, tmp_path, monk
     (y, slope), (narrow_y, narrow_slope) = results
     torch.testing.assert_close(narrow_y, y, atol=1e-6, rtol=1e-6, equal_nan=True)
     torch.testing.assert_close(narrow_slope, slope, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+def test_inference_mlps_overwrite_c_fcs_output_with_the_kernels_gelu(kernel_calls, monkeypatch):
+    """Without autograd each MLP runs the kernel once, over c_fc's output (`ops.gelu_tanh_`), with the
+    values of the kernel's out-of-place GELU (products on MKL: on oneDNN the GELU runs inside c_fc's)."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(GPTConfig(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=2)).eval()
+    ids = torch.randint(0, 96, (2, 40))
+    overwritten = []
+    real = kernels.gelu_tanh_
+    monkeypatch.setattr(kernels, "gelu_tanh_", lambda x: overwritten.append(x.data_ptr()) or real(x))
+    with torch.no_grad(), ops_hfgpt.onednn_products(False):
+        got = model(ids).logits
+        assert kernel_calls == ["hfgpt_gelu_forward"] * 2 and len(overwritten) == 2
+        monkeypatch.setitem(ops_hfgpt.IN_PLACE, ops_hfgpt.gelu_tanh, None)  # `act(c_fc(x))`: a fresh output
+        torch.testing.assert_close(model(ids).logits, got, atol=0, rtol=0)
+    assert kernel_calls == ["hfgpt_gelu_forward"] * 4 and len(overwritten) == 2
+
+
+def test_the_in_place_gelu_returns_its_input_overwritten_and_refuses_what_it_cannot_write():
+    x = inputs(1003)
+    expected = kernels.gelu_tanh(x)
+    assert ops_hfgpt.gelu_tanh_(x) is x
+    torch.testing.assert_close(x, expected, atol=0, rtol=0)
+    strided = inputs(64).view(2, 64)[:, ::2]
+    want = F.gelu(strided, approximate="tanh")
+    assert ops_hfgpt.gelu_tanh_(strided) is strided  # (torch's in-place GELU: the kernel steps aside)
+    torch.testing.assert_close(strided, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="hfgpt::gelu_tanh_: x must be contiguous"):
+        torch.ops.hfgpt.gelu_tanh_(inputs(64).view(2, 64)[:, ::2])
+    with pytest.raises(ValueError, match="hfgpt::gelu_tanh_: x must be a torch.float32 CPU tensor"):
+        torch.ops.hfgpt.gelu_tanh_(inputs(8).double())
