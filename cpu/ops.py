@@ -1079,8 +1079,7 @@ def one_row_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | 
     A decoding step at batch size 1 reads every weight once for one multiply-add per element, so it is
     bound by memory, not arithmetic, and MKL's matrix-vector kernel reads a weight on one thread (as does
     `few_rows_product`'s two-column product). Split between the threads, the weight is read at more of the
-    memory's bandwidth, with the same values and the same greedy tokens (`quantize_for_decoding`'s float32
-    copy; benchmarks/RESULTS.md).
+    memory's bandwidth, with the same values and the same greedy tokens (benchmarks/RESULTS.md).
 
     Where hfgpt's C kernel is built (csrc/row_product.c, `torch.ops.hfgpt.row_product`), each thread computes the
     dot products of its run of rows itself, as one sequential read, closer to the rate of a plain sum over

@@ -1,5 +1,5 @@
-"""Faster CPU decoding from a copy of the model: int8 or bfloat16 weights, or float32 in the layout the
-one-row kernels read fastest.
+"""Faster CPU decoding from a copy of the model: int8 or bfloat16 weights, or the float32 model's own with
+its weights in huge pages.
 
 One decoding step streams every weight once, so float32 decoding is bound by how fast the matrix-vector
 kernels read the weights; int8 weights read a quarter of the bytes, bfloat16 half. `benchmarks/
@@ -469,11 +469,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     """A copy of `model` with int8 (`torch.qint8`, the default), `torch.bfloat16` or `torch.float32`
     weights for CPU inference; `model` itself is left untouched.
 
-    Each Conv1D becomes the equivalent `nn.Linear` first:
-    - float32: nothing is quantised: `DecodingLinear` layers give the same values (to float rounding)
-      and the same greedy tokens, block by block. The model itself, with the CPU backend, now decodes
-      faster (its steps run in one call into C; benchmarks/RESULTS.md): use the model. The copy holds a
-      second set of weights: drop the original when memory matters.
+    - float32: the model's own layers and values, bit for bit: each decoding step in one call into C, as
+      the model's (`hfgpt.cpu.decoding`), from weights in huge pages (below). It holds a second set of
+      weights: drop the original when memory matters.
     - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
       output channel, activations quantised at run time with one scale per 64 inputs, products in
       hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
@@ -481,7 +479,7 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
       attention wherever nothing (a hook, training, gradients) needs the block's modules called, and a
       decoding step of the whole model runs in one C call (`hfgpt.cpu.decoding`).
-    - bfloat16: the whole model in bfloat16, every linear layer and the LM head a `DecodingLinear` (its
+    - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear` (its
       products through oneDNN's linear op where it takes bfloat16; at one row on hfgpt's C kernel,
       `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).
       For one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's
@@ -502,9 +500,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     model = copy.deepcopy(model).eval()
     if dtype == torch.qint8:
         _to_int8(model)
-    else:
+    elif dtype == torch.bfloat16:
         _conv1d_to_linear(model, DecodingLinear)
-    if dtype == torch.bfloat16:
         _head_to_decoding_linear(model)
         model = model.to(torch.bfloat16)
     gather_into_huge_pages(model)

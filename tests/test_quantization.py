@@ -1,4 +1,4 @@
-"""Decoding copies (int8, bfloat16, float32 `DecodingLinear`): faithful, independent copies of the
+"""Decoding copies (int8, bfloat16, float32): faithful, independent copies of the
 float32 model."""
 
 import copy
@@ -6,6 +6,7 @@ import copy
 import huggingface_hub.constants
 import pytest
 import torch
+from test_int8_step import record_steps  # tests/ is on sys.path
 
 from hfgpt.cpu.quantization import DecodingLinear, Int8Linear, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
@@ -103,27 +104,34 @@ def test_decoding_linear_equals_f_linear(shape, bias):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
-def test_float32_copy_gives_the_same_logits_and_tokens(model):
+def test_float32_copy_is_the_model_in_huge_pages_decoding_in_one_call(monkeypatch):
+    """The float32 copy keeps the model's own layers (its weights gathered into one mapping: test_huge_pages):
+    the same logits and tokens, bit for bit, each decoding step in one call (`hfgpt.cpu.decoding`)."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, n_positions=32, n_embd=128, n_layer=2, n_head=2, eos_token_id=0)
+    model = GPTForCausalLM(config).eval()  # (heads of 64, which the one-call step computes)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fast = quantize_for_decoding(model, torch.float32)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert sum(type(m) is DecodingLinear for m in fast.modules()) == 4 * 2  # every Conv1D
+    assert [type(m) for m in fast.modules()] == [type(m) for m in model.modules()]
     assert all(p.dtype == torch.float32 for p in fast.parameters())
+    steps = record_steps(monkeypatch, "float_decode_step")
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding: the decoding steps run 2 rows through DecodingLinear's fast product
+    mask[1, :3] = 0  # left padding: a key mask in every step
     with torch.inference_mode():
-        torch.testing.assert_close(fast(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits, atol=0, rtol=0)
         kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
         assert torch.equal(fast.generate(ids, **kwargs), model.generate(ids, **kwargs))
         one = dict(attention_mask=mask[:1], max_new_tokens=8, do_sample=False)
         assert torch.equal(fast.generate(ids[:1], **one), model.generate(ids[:1], **one))
+    assert steps == [2] * 7 * 2 + [1] * 7 * 2  # the copy's steps and the model's
 
 
 @pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
 def test_one_row_decoding_gives_the_same_tokens_on_one_thread_and_split_between_two(model, torch_threads):
     """At batch size 1 every product has one row, split between the threads where there are several
-    (`one_row_conv1d` in the model, `one_row_product` in the float32 copy and the LM head)."""
+    (in the model and its float32 copy alike)."""
     fast = quantize_for_decoding(model, torch.float32)
     ids = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(2))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)

@@ -3,10 +3,10 @@
  * are read from memory.
  *
  * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by `one_row_product`
- * (an `[out, in]` weight: nn.Linear, the LM head, the float32 decoding copy) and `one_row_conv1d` (a
- * Conv1D `[in, out]` weight: the model's own layers, through `hfgpt.cpu.layers.conv1d_forward`) in
- * cpu/ops.py, which split torch's products between the threads wherever this does not apply; and, at the
- * end of this file, a whole decoding step of a float32 model (`hfgpt_float_decode_step`).
+ * (an `[out, in]` weight: nn.Linear, the LM head) and `one_row_conv1d` (a Conv1D `[in, out]` weight: the
+ * model's own layers, through `hfgpt.cpu.layers.conv1d_forward`) in cpu/ops.py, which split torch's
+ * products between the threads wherever this does not apply; and, at the end of this file, a whole
+ * decoding step of a float32 model (`hfgpt_float_decode_step`).
  *
  * `[out, in]`: each thread takes a contiguous run of the weight's rows, one dot product a row with four
  * accumulators, so that it reads one sequential stream. `[in, out]`: each thread takes a contiguous run
