@@ -976,7 +976,7 @@ def large_empty(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
     Memory that large comes fresh from the kernel on every call (malloc maps it, and unmaps it when freed),
     and its first writes fault it in: 4 KiB pages cost GPT-2's logits of 512 positions (103 MB) about a
     tenth of the head's product, 2 MiB pages a fraction of that (benchmarks/RESULTS.md). After
-    `hfgpt.cpu.runtime.keep_freed_memory()` malloc's heap serves it already faulted in, so torch's memory."""
+    `hfgpt.cpu.runtime.keep_freed_memory()`, malloc's heap serves it already faulted in: `new_empty` then."""
     nbytes = rows * columns * like.element_size()
     if (
         nbytes < HUGE_PAGES_FROM

@@ -1,5 +1,5 @@
-"""Faster CPU decoding from a copy of the model: int8 or bfloat16 weights, or the float32 model's own with
-its weights in huge pages.
+"""Copies of the model for CPU decoding: with int8 or bfloat16 weights (faster), or the float32 model's own
+layers with its weights in huge pages (as fast as the model).
 
 One decoding step streams every weight once, so float32 decoding is bound by how fast the matrix-vector
 kernels read the weights; int8 weights read a quarter of the bytes, bfloat16 half. `benchmarks/
@@ -469,9 +469,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     """A copy of `model` with int8 (`torch.qint8`, the default), `torch.bfloat16` or `torch.float32`
     weights for CPU inference; `model` itself is left untouched.
 
-    - float32: the model's own layers and values, bit for bit: each decoding step in one call into C, as
-      the model's (`hfgpt.cpu.decoding`), from weights in huge pages (below). It holds a second set of
-      weights: drop the original when memory matters.
+    - float32: the model's own layers and values, bit for bit, its weights in huge pages (below): each
+      decoding step in one call into C, as the model's (`hfgpt.cpu.decoding`), and as fast
+      (benchmarks/RESULTS.md). It holds a second set of weights: drop the original when memory matters.
     - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
       output channel, activations quantised at run time with one scale per 64 inputs, products in
       hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
