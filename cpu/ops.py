@@ -971,7 +971,8 @@ HUGE_PAGES_FROM = 32 << 20  # bytes: glibc's malloc maps any block this large af
 
 def large_empty(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised (rows, columns) tensor like `like` (`new_empty`); for a plain CPU tensor of
-    `HUGE_PAGES_FROM` bytes or more, in transparent huge pages (`huge_page_buffer`, where Linux gives them).
+    `HUGE_PAGES_FROM` bytes or more, run eagerly (not in a trace, which would keep one such buffer as a
+    constant), in transparent huge pages (`huge_page_buffer`, where Linux gives them).
 
     Memory that large comes fresh from the kernel on every call (malloc maps it, and unmaps it when freed),
     and its first writes fault it in: 4 KiB pages cost GPT-2's logits of 512 positions (103 MB) about a
@@ -980,7 +981,7 @@ def large_empty(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
     nbytes = rows * columns * like.element_size()
     if (
         nbytes < HUGE_PAGES_FROM
-        or like.device.type != "cpu"
+        or not eager_on_cpu(like)
         or not plain_tensors(like)
         or runtime.freed_memory_kept()
     ):

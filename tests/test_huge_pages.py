@@ -161,3 +161,28 @@ def test_large_empty_leaves_kept_heap_memory_and_fake_tensors_to_torch(monkeypat
         fake = ops.large_empty(2048, 4096, mode.from_tensor(like))
     assert isinstance(fake, FakeTensor) and fake.shape == (2048, 4096)
     assert mapped == [ops.HUGE_PAGES_FROM]
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, use_cache=False).logits
+
+
+def test_a_traced_model_writes_fresh_logits_on_every_call():
+    """Under `torch.jit.trace` the logits come from torch's memory (`new_empty`), which the trace records as
+    an op: a huge-page buffer would be kept as a constant, and every call of the traced model would
+    overwrite the logits the last one returned."""
+    torch.manual_seed(0)
+    model = GPTForCausalLM(tiny_config(vocab_size=65536, n_positions=128, n_embd=32, n_head=1)).eval()
+    ids = torch.randint(0, 65536, (1, 128))
+    with torch.no_grad(), ops.onednn_products(False):  # (the MKL path: 128 x 65536 logits, 32 MiB)
+        traced = torch.jit.trace(Logits(model), ids, check_trace=False)
+        first = traced(ids)
+        expected = first.clone()
+        traced(torch.randint(0, 65536, (1, 128)))
+        torch.testing.assert_close(first, expected, atol=0, rtol=0)
+        torch.testing.assert_close(first, model(ids).logits, atol=1e-6, rtol=1e-5)
