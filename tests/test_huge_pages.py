@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_modeling import Logits  # tests/ is on sys.path
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hfgpt.cpu import ops, runtime
@@ -161,15 +162,6 @@ def test_large_empty_leaves_kept_heap_memory_and_fake_tensors_to_torch(monkeypat
         fake = ops.large_empty(2048, 4096, mode.from_tensor(like))
     assert isinstance(fake, FakeTensor) and fake.shape == (2048, 4096)
     assert mapped == [ops.HUGE_PAGES_FROM]
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, use_cache=False).logits
 
 
 def test_a_traced_model_writes_fresh_logits_on_every_call():

@@ -809,17 +809,19 @@ def test_shape_only_passes_on_meta_and_fake_tensors():
         assert ours(ids).logits.shape == (2, 5, VOCAB)
 
 
+class Logits(torch.nn.Module):
+    """A causal LM's logits alone, without a cache: what `torch.jit.trace` can record."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, use_cache=False).logits
+
+
 def test_torch_jit_trace_with_its_checks():
     _, ours = make_pair(GPTForCausalLM, "pre")
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model: torch.nn.Module):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.model(ids, use_cache=False).logits
-
     ids = random_ids(2, 9)
     traced = torch.jit.trace(Logits(ours), (ids,))  # traces twice and compares the graphs
     torch.testing.assert_close(traced(ids), ours(ids).logits)
