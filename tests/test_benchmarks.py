@@ -626,11 +626,16 @@ def test_torchao_int8_copy_quantizes_every_linear_layer_and_decodes_compiled():
     assert kwargs == {"cache_implementation": "static"} and tokens.shape == (1, 6)
 
 
+def tiny_rows_beside_compile(tmp_path, section: str) -> list[dict]:
+    """The figures rows of a tiny GPT-2 run of one `section` with the compile peer, one round."""
+    argv = ["--tiny", "--families", "gpt2", "--sections", section, "--peers", "compile", "--repeats", "1"]
+    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
+    return json.loads((tmp_path / "figures.json").read_text())["rows"]
+
+
 @pytest.mark.slow
 def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
-    argv = ["--tiny", "--families", "gpt2", "--sections", "prefill", "--peers", "compile", "--repeats", "1"]
-    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
-    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    rows = tiny_rows_beside_compile(tmp_path, "prefill")
     compiled = [r for r in rows if r["impl"] == bench_model.COMPILED]
     # Timed beside hfgpt and transformers in every float32 case, and nowhere under autocast.
     float32 = {r["case"] for r in rows if "autocast" not in r["case"]}
@@ -642,9 +647,7 @@ def test_compiled_plain_model_runs_beside_hfgpt_in_prefill(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compiled_plain_model_decodes_beside_hfgpt_with_the_tokens_compared(tmp_path, capsys):
-    argv = ["--tiny", "--families", "gpt2", "--sections", "decode", "--peers", "compile", "--repeats", "1"]
-    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
-    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    rows = tiny_rows_beside_compile(tmp_path, "decode")
     compiled = [r for r in rows if r["impl"] == bench_model.COMPILED]
     assert {r["case"] for r in compiled} == {r["case"] for r in rows if r["impl"] == "hfgpt"}
     for row in compiled:  # (greedy on a static cache, compiled: the eager models' tokens)
@@ -654,9 +657,7 @@ def test_compiled_plain_model_decodes_beside_hfgpt_with_the_tokens_compared(tmp_
 
 @pytest.mark.slow
 def test_int8_copy_compiled_runs_beside_the_eager_copy_in_lowp(tmp_path):
-    argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile", "--repeats", "1"]
-    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
-    rows = {r["impl"]: r for r in json.loads((tmp_path / "figures.json").read_text())["rows"]}
+    rows = {r["impl"]: r for r in tiny_rows_beside_compile(tmp_path, "lowp")}
     compiled, eager = rows[bench_model.INT8_COMPILED], rows["hfgpt int8"]
     assert compiled["rate"] > 0 and compiled["case"] == eager["case"]
     # the same copy, the same tokens: compiling changes the speed only
