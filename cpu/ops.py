@@ -71,7 +71,7 @@ def _native_gelu_applies(x: torch.Tensor) -> bool:
 def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
     """`gelu_tanh` written over `x`, which it returns: hfgpt's C kernel where `gelu_tanh` runs it, else
     torch's in-place tanh GELU."""
-    if _native_gelu_applies(x) and has_storage(x):
+    if _native_gelu_applies(x):
         kernels.gelu_tanh_(x)
         return x
     return torch.ops.aten.gelu_(x, approximate="tanh")
