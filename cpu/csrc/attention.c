@@ -7,8 +7,8 @@
  * (`native_causal_attention` for prefill, `_BandedDropoutAttention` for training,
  * `native_decode_attention` for decoding), which run torch's ops wherever this does not apply. Torch's
  * CPU flash-attention kernel spends much of its time outside the arithmetic on GPT-2's short heads of 64;
- * this one holds a head's keys transposed ([D][T], 128 KB at T = 512, in L2) and works R query rows at a
- * time (8 where the CPU has 32 vector registers: AVX-512, arm64; 4 with AVX2's 16):
+ * this one holds a head's keys transposed in blocks of KB ([T / KB][D][KB], 128 KB at T = 512, in L2) and
+ * works R query rows at a time (8 where the CPU has 32 vector registers: AVX-512, arm64; 4 with AVX2's 16):
  *   scores  S[r][j] = scale * q_r . k_j for the keys j up to the block's last row, R rows x KB keys (two
  *           vectors) in 2R accumulators, one broadcast of q[r][d] per 2 FMAs (`dots`);
  *   softmax per row over j <= i (the row's own position), exactly: max, exp(S - max), sum (the block's
@@ -81,23 +81,27 @@ static inline vf kept(const uint8_t *keep, int64_t lanes, float pscale)
     return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf) * pscale;
 }
 
-/* A head's rows 0..T-1 (stride st) transposed into mt [D][tp], zero past T. */
+/* A head's rows 0..T-1 (stride st) transposed a block of KB rows at a time, into mt [tp / KB][D][KB], zero
+ * past T: `dots` then reads each block of keys as one contiguous run of D * KB floats. (Transposed whole, as
+ * [D][tp], a block's D rows lay tp floats apart, which at T = 256 or 512 maps them all onto two sets of the L1
+ * cache: 1.2x slower as a whole on an Intel Xeon.) */
 static void transpose_head(const float *m, int64_t st, int64_t T, int64_t tp, float *mt)
 {
-    for (int64_t j = 0; j < T; j++)
-        for (int d = 0; d < D; d++) mt[d * tp + j] = m[j * st + d];
-    for (int d = 0; d < D; d++)
-        for (int64_t j = T; j < tp; j++) mt[d * tp + j] = 0.0f;
+    for (int64_t j = 0; j < tp; j++) {
+        float *column = mt + (j / KB) * (D * KB) + j % KB;
+        for (int d = 0; d < D; d++) column[d * KB] = j < T ? m[j * st + d] : 0.0f;
+    }
 }
 
-/* out[r][j] = f * x_r . m_j for the R rows x and j < nk (a multiple of KB), m held transposed [D][tp]. */
+/* out[r][j] = f * x_r . m_j for the R rows x and j < nk (a multiple of KB), m as `transpose_head` holds it. */
 static void dots(const float *const *x, const float *mt, int64_t tp, int64_t nk, float f, float *out)
 {
     for (int64_t j0 = 0; j0 < nk; j0 += KB) {
+        const float *block = mt + j0 * D;
         vf a[R][2];
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (vf){0};
         for (int d = 0; d < D; d++) {
-            const vf m0 = vload(mt + d * tp + j0), m1 = vload(mt + d * tp + j0 + LANES);
+            const vf m0 = vload(block + d * KB), m1 = vload(block + d * KB + LANES);
             for (int r = 0; r < R; r++) {
                 const float b = x[r][d];
                 a[r][0] += m0 * b;
@@ -159,6 +163,26 @@ static void rank_update(const float *w, int64_t tp, const float *const *x, int64
     }
 }
 
+/* The largest of x[0 .. n), NaNs skipped (-inf where there is none), in four chains of max: one chain's
+ * compare and select per vector would bound the loop by their latency. */
+static inline float row_max(const float *x, int64_t n)
+{
+    vf m0 = vsplat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int64_t j = 0;
+    for (; j + 4 * LANES <= n; j += 4 * LANES) {
+        m0 = max_v(vload(x + j), m0);
+        m1 = max_v(vload(x + j + LANES), m1);
+        m2 = max_v(vload(x + j + 2 * LANES), m2);
+        m3 = max_v(vload(x + j + 3 * LANES), m3);
+    }
+    for (; j < n; j += LANES) m0 = vselect(lanes_below(n - j), max_v(vload(x + j), m0), m0);
+    return max_lanes(max_v(max_v(m0, m1), max_v(m2, m3)));
+}
+
+/* exp(s - the row's largest score): at most 0, or a NaN (a NaN or infinite score), so exp_v's upper clamp
+ * would never apply. */
+static inline vf exp_below_max(vf x) { return exp_clamped_v(vselect(x < -103.0f, vsplat(-103.0f), x)); }
+
 /* Pointers to rows i0.. of a head (stride st); the spare rows of a short last block repeat its last row. */
 static inline void block_rows(const float *m, int64_t st, int64_t i0, int rows, const float **out)
 {
@@ -167,7 +191,7 @@ static inline void block_rows(const float *m, int64_t st, int64_t i0, int rows, 
 
 /* Forward of one head (t of B*H): q, k, v rows at strides qst, kst, vst (D contiguous floats each), out rows
  * at ost. Without dropout (dp NULL), inference; with it, the probabilities are saved and the weights
- * dropped. Scratch: kt [D][tp] and s [R][tp], tp = T rounded up to KB. */
+ * dropped. Scratch: kt [tp / KB][D][KB] and s [R][tp], tp = T rounded up to KB. */
 static void head_forward(const float *q, int64_t qst, const float *k, int64_t kst, const float *v, int64_t vst,
                          float *o, int64_t ost, int64_t T, float scale, const dropout_t *dp, int64_t t, float *scratch)
 {
@@ -185,15 +209,21 @@ static void head_forward(const float *q, int64_t qst, const float *k, int64_t ks
         for (int r = 0; r < R; r++) {
             float *sr = s + r * tp;
             const int64_t seen = r < rows ? i0 + r + 1 : 0; /* keys 0..i: causal */
-            vf m = vsplat(-INFINITY), sum = {0};
-            for (int64_t j = 0; j < seen; j += LANES) /* (a NaN score reaches the sum through exp) */
-                m = vselect(lanes_below(seen - j), max_v(vload(sr + j), m), m);
-            const float mv = max_lanes(m);
-            for (int64_t j = 0; j < nk; j += LANES) {
-                const vf e = vkeep(lanes_below(seen - j), exp_v(vload(sr + j) - mv));
+            const float mv = row_max(sr, seen); /* (a NaN score reaches the sum through exp) */
+            vf sum = {0};
+            int64_t j = 0;
+            for (; j + LANES <= seen; j += LANES) {
+                const vf e = exp_below_max(vload(sr + j) - mv);
                 vstore(sr + j, e);
                 sum += e;
             }
+            if (j < seen) { /* the last keys seen, and zeros after them */
+                const vf e = vkeep(lanes_below(seen - j), exp_below_max(vload(sr + j) - mv));
+                vstore(sr + j, e);
+                sum += e;
+                j += LANES;
+            }
+            for (; j < nk; j += LANES) vstore(sr + j, (vf){0});
             f[r] = seen ? 1.0f / sum_lanes(sum) : 0.0f;
             if (dp && seen) { /* save P = e / sum; weights P * keep / (1 - p) */
                 int64_t b, stop;
@@ -214,7 +244,7 @@ static void head_forward(const float *q, int64_t qst, const float *k, int64_t ks
 }
 
 /* Backward of one head with dropout: gradients dq, dk, dv (rows at their strides) from dout. Scratch: vt
- * [D][tp], ds and pd [R][tp], dk and dv sums [tp][D]. */
+ * [tp / KB][D][KB], ds and pd [R][tp], dk and dv sums [tp][D]. */
 static void head_backward(const float *q, int64_t qst, const float *k, int64_t kst, const float *v, int64_t vst,
                           const float *dout, int64_t dost, float *dq, int64_t dqst, float *dk, int64_t dkst, float *dv,
                           int64_t dvst, int64_t T, float scale, const dropout_t *dp, int64_t t, float *scratch)

@@ -148,17 +148,23 @@ static inline vf exp_bounded_v(vf x)
     return exp_reduced(r) * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
+/* exp(x) for x in [-103, 89] (a NaN stays NaN): exp(r) 2^n, with 2^n applied as two factors 2^(n/2) 2^(n - n/2),
+ * each a normal float, so that results down to the subnormals are exact. `exp_v` clamps any x into that range;
+ * attention.c's softmax, whose arguments are at most 0, clamps only below. */
+static inline vf exp_clamped_v(vf x)
+{
+    vf r;
+    const vi k = __builtin_convertvector(exp_split(x, &r), vi), half = k >> 1;
+    return exp_reduced(r) * (vf)((half + 127) << 23) * (vf)((k - half + 127) << 23);
+}
+
 /* exp(x) for any x: arguments clamped to [-103, 89] (exp(-103) is float's smallest subnormal, 1.4e-45;
- * exp(89) overflows to infinity, as exp(+inf) does); a NaN stays NaN. 2^n is applied as two factors
- * 2^(n/2) 2^(n - n/2), each a normal float, so that results down to the subnormals are exact. */
+ * exp(89) overflows to infinity, as exp(+inf) does); a NaN stays NaN. */
 static inline vf exp_v(vf x)
 {
     const vf lo = vsplat(-103.0f), hi = vsplat(89.0f);
     x = vselect(x < lo, lo, x); /* (false for a NaN: it stays) */
-    x = vselect(x > hi, hi, x);
-    vf r;
-    const vi k = __builtin_convertvector(exp_split(x, &r), vi), half = k >> 1;
-    return exp_reduced(r) * (vf)((half + 127) << 23) * (vf)((k - half + 127) << 23);
+    return exp_clamped_v(vselect(x > hi, hi, x));
 }
 
 /* exp(x), and exactly 0 where x lies below -103 (so that exp(-inf) is 0); a NaN stays NaN. */
