@@ -77,7 +77,10 @@ typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 static inline vf kept(const uint8_t *keep, int64_t lanes, float pscale)
 {
     vbytes bytes = {0};
-    memcpy(&bytes, keep, (size_t)(lanes < LANES ? lanes : LANES));
+    if (lanes >= LANES) /* (a copy of a constant size: one load, where a variable one may be a call) */
+        memcpy(&bytes, keep, LANES);
+    else
+        memcpy(&bytes, keep, (size_t)(lanes > 0 ? lanes : 0));
     return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf) * pscale;
 }
 
