@@ -213,10 +213,24 @@ typedef struct {
 
 #define CACHED_FLOATS 8192 /* 32 KiB: a level-1 data cache */
 
+/* sums[r * lds + c] for r < rows, c < width: the bias's columns c0.., or zeros. */
+static void start_sums(const float *bias, int64_t c0, int64_t rows, int64_t width, float *sums, int64_t lds)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        if (bias)
+            memcpy(sums + r * lds, bias + c0, sizeof(float) * (size_t)width);
+        else
+            memset(sums + r * lds, 0, sizeof(float) * (size_t)width);
+    }
+}
+
 /* Inside a parallel region: y[r * ldy + o] = sum_i x[r, i] w[i, o] + bias[o]. Each thread takes a run of
  * whole vectors of output columns and reads its piece of each weight row in turn (`add_rows`), eight
  * weight rows at a time for every row of x while they are in cache: one pass over the weight whatever the
- * rows. Ends on a barrier. */
+ * rows. Several rows sum into a buffer of the thread's own, its rows a few vectors longer than the run of
+ * columns, then copied into y: summed in y, whose rows lie `out` floats apart (a multiple of 4 KiB for
+ * GPT-2's 3072-wide MLP), GPT-2's blocks took 1.17x as long at 8 rows (the same sums, in the same order).
+ * Ends on a barrier. */
 static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_t in, float *y, int64_t ldy,
                           const scratch_t *sc)
 {
@@ -226,25 +240,28 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
     const int64_t from = vectors * t / team * LANES, to_vector = vectors * (t + 1) / team * LANES;
     const int64_t to = to_vector < out ? to_vector : out;
     if (from < to) {
-        for (int64_t r = 0; r < rows; r++) {
-            float *yr = y + r * ldy + from;
-            if (l->bias)
-                memcpy(yr, l->bias + from, sizeof(float) * (size_t)(to - from));
-            else
-                memset(yr, 0, sizeof(float) * (size_t)(to - from));
-        }
         /* several rows: runs of columns narrow enough that eight weight rows' pieces and the rows' sums
          * stay in the level-1 cache while every row reads them */
         const int64_t fits = CACHED_FLOATS / (8 + rows) / LANES * LANES;
         const int64_t run = rows == 1 || fits >= to - from ? to - from : (fits > LANES ? fits : LANES);
+        const int64_t lds = run + 2 * LANES;
+        float *own = rows > 1 ? (float *)malloc(sizeof(float) * (size_t)(rows * lds)) : NULL;
         for (int64_t c = from; c < to; c += run) {
             const int64_t width = c + run < to ? run : to - c;
+            /* (one row, or no memory for the buffer: the sums in y itself) */
+            float *sums = own ? own : y + c;
+            const int64_t ld = own ? lds : ldy;
+            start_sums(l->bias, c, rows, width, sums, ld);
             for (int64_t i = 0; i < in; i += 8) {
                 const int64_t stop = i + 8 < in ? i + 8 : in;
                 for (int64_t r = 0; r < rows; r++)
-                    add_rows(x + r * in, l->w + c, out, width, i, stop, y + r * ldy + c);
+                    add_rows(x + r * in, l->w + c, out, width, i, stop, sums + r * ld);
             }
+            if (own)
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(y + r * ldy + c, own + r * lds, sizeof(float) * (size_t)width);
         }
+        free(own);
     }
 #pragma omp barrier
 }
