@@ -1,6 +1,7 @@
 """Parity of hfgpt's models with transformers' own GPT2* / OpenAIGPT* classes on identical weights, plus
 the behaviour transformers users rely on: generate(), caches, Auto classes, remote code, bad inputs."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from hfgpt.cpu import unkernelize
 from hfgpt.modeling import (
     PRESETS,
     GPTConfig,
@@ -194,6 +196,40 @@ def test_left_padded_batch_generates_like_single_prompts(norm):
             p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False
         )
         assert torch.equal(out[row, width:], single[0, len(p) :]), row
+
+
+@pytest.mark.parametrize("head", [GPTForCausalLM, GPTDoubleHeadsModel])
+@pytest.mark.parametrize("backend", ["kernelized", "plain"])
+def test_generate_builds_no_signature_of_forward_at_each_step(head, backend, monkeypatch):
+    """Registered for the Auto classes, hfgpt's heads are remote code to transformers, whose generate() reads
+    forward's signature at every step: the one held on the function (the CPU backend's forward carries it
+    over), never one built again from the function's code, and the same parameters."""
+    model = head(GPTConfig(**TINY)).eval()
+    if backend == "plain":
+        unkernelize(model)
+    built = []
+    build = inspect._signature_from_function  # what inspect.signature runs for a function it has to read
+
+    def recording(cls, function, *args, **kwargs):
+        built.append(function)
+        return build(cls, function, *args, **kwargs)
+
+    monkeypatch.setattr(inspect, "_signature_from_function", recording)
+    ids = random_ids(1, 5)
+    counts = []
+    for new in (2, 10):
+        built.clear()
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+        counts.append(len(built))
+    assert counts[0] == counts[1]  # the same few signatures read for 2 steps as for 10
+    unwrapped = inspect.unwrap(head.forward)
+    assert unwrapped not in [inspect.unwrap(f) for f in built]
+    parameters = list(inspect.signature(model.forward).parameters)
+    code = unwrapped.__code__
+    starred = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    assert parameters == list(code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount + starred])
 
 
 @pytest.mark.parametrize("norm", NORMS)
