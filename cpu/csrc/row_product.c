@@ -208,7 +208,8 @@ typedef struct {
 } layer_t;
 
 typedef struct {
-    char unused; /* (the float32 products need no scratch) */
+    float *sums;        /* several rows: `layer_product`'s sums, `per_thread` floats for each thread; or NULL */
+    int64_t per_thread; /* rows x (the widest layer's outputs + 2 LANES) */
 } scratch_t;
 
 #define CACHED_FLOATS 8192 /* 32 KiB: a level-1 data cache */
@@ -227,14 +228,13 @@ static void start_sums(const float *bias, int64_t c0, int64_t rows, int64_t widt
 /* Inside a parallel region: y[r * ldy + o] = sum_i x[r, i] w[i, o] + bias[o]. Each thread takes a run of
  * whole vectors of output columns and reads its piece of each weight row in turn (`add_rows`), eight
  * weight rows at a time for every row of x while they are in cache: one pass over the weight whatever the
- * rows. Several rows sum into a buffer of the thread's own, its rows a few vectors longer than the run of
- * columns, then copied into y: summed in y, whose rows lie `out` floats apart (a multiple of 4 KiB for
- * GPT-2's 3072-wide MLP), GPT-2's blocks took 1.17x as long at 8 rows (the same sums, in the same order).
- * Ends on a barrier. */
+ * rows. Several rows sum into the thread's part of the step's scratch (`sc->sums`), its rows a few vectors
+ * longer than the run of columns, then copied into y: summed in y, whose rows lie `out` floats apart (a
+ * multiple of 4 KiB for GPT-2's 3072-wide MLP), GPT-2's blocks took 1.17x as long at 8 rows (the same sums,
+ * in the same order). Ends on a barrier. */
 static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_t in, float *y, int64_t ldy,
                           const scratch_t *sc)
 {
-    (void)sc;
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), out = l->out;
     const int64_t vectors = (out + LANES - 1) / LANES;
     const int64_t from = vectors * t / team * LANES, to_vector = vectors * (t + 1) / team * LANES;
@@ -245,10 +245,10 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
         const int64_t fits = CACHED_FLOATS / (8 + rows) / LANES * LANES;
         const int64_t run = rows == 1 || fits >= to - from ? to - from : (fits > LANES ? fits : LANES);
         const int64_t lds = run + 2 * LANES;
-        float *own = rows > 1 ? (float *)malloc(sizeof(float) * (size_t)(rows * lds)) : NULL;
+        float *own = sc->sums ? sc->sums + t * sc->per_thread : NULL;
         for (int64_t c = from; c < to; c += run) {
             const int64_t width = c + run < to ? run : to - c;
-            /* (one row, or no memory for the buffer: the sums in y itself) */
+            /* (one row: the sums in y itself) */
             float *sums = own ? own : y + c;
             const int64_t ld = own ? lds : ldy;
             start_sums(l->bias, c, rows, width, sums, ld);
@@ -261,7 +261,6 @@ static void layer_product(const layer_t *l, const float *x, int64_t rows, int64_
                 for (int64_t r = 0; r < rows; r++)
                     memcpy(y + r * ldy + c, own + r * lds, sizeof(float) * (size_t)width);
         }
-        free(own);
     }
 #pragma omp barrier
 }
@@ -289,7 +288,15 @@ int hfgpt_float_decode_step(const int64_t *ids, const int64_t *positions, const 
                             int threads)
 {
     if (rows <= 0) return 0;
-    const scratch_t sc = {0};
-    return decode_step(ids, positions, wte, wpe, rows, n, heads, inner, n_layer, pre_norm, eps, scaling, layers, keys,
-                       values, capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y, &sc, threads);
+    const int64_t widest = inner > 3 * n ? inner : 3 * n;
+    scratch_t sc = {NULL, rows > 1 ? rows * (widest + 2 * LANES) : 0};
+    if (rows > 1) {
+        sc.sums = (float *)malloc(sizeof(float) * (size_t)(sc.per_thread * (threads > 1 ? threads : 1)));
+        if (!sc.sums) return 1;
+    }
+    const int status = decode_step(ids, positions, wte, wpe, rows, n, heads, inner, n_layer, pre_norm, eps, scaling,
+                                   layers, keys, values, capacity, past, mask, mask_stride, lnf_w, lnf_b, lnf_eps, y,
+                                   &sc, threads);
+    free(sc.sums);
+    return status;
 }
