@@ -16,6 +16,7 @@ import inspect
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -62,14 +63,17 @@ def cache_field(outputs: ModelOutput) -> dict[str, Cache | None]:
 
 def _cache_argument(cache: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
     """`cache`, or the cache passed by its name before transformers 5.24, `past_key_values` (taken out of
-    `kwargs`), which transformers 5.23's generate() passes; deprecated where transformers has moved on."""
+    `kwargs`), which transformers 5.23's generate() passes; deprecated where transformers has moved on, with
+    the FutureWarning that transformers' own models give for it."""
     old = kwargs.pop("past_key_values", None)
     if old is None:
         return cache
     if cache is not None:
         raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its name before 5.24).")
     if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
-        logger.warning_once("`past_key_values` is deprecated since transformers 5.24: pass `cache`.")
+        warnings.warn(
+            "`past_key_values` is deprecated since transformers 5.24: pass `cache`.", FutureWarning, 3
+        )
     return old
 
 

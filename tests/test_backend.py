@@ -48,7 +48,7 @@ def test_the_model_files_use_public_apis_and_never_the_backend(name):
     for pattern in (r"torch\._", r"_global_", r"ctypes", r"_python_dispatch"):
         assert not re.search(pattern, code), f"{name} matches {pattern}"
     imports = re.findall(r"^\s*(?:from|import)\s+(\S+)", code, flags=re.M)
-    allowed = {"contextlib", "inspect", "os", "re", "shutil", "collections", "dataclasses", "pathlib", "typing",
+    allowed = {"contextlib", "inspect", "os", "re", "shutil", "warnings", "collections", "dataclasses", "pathlib", "typing",
                "torch", "transformers", "huggingface_hub"}  # fmt: skip
     assert all(i.split(".")[0] in allowed or i == ".configuration_hfgpt" for i in imports), imports
 

@@ -4,6 +4,7 @@ the installed transformers' name."""
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -161,7 +162,9 @@ def test_the_cache_goes_by_the_installed_transformers_name(head):
 
 def test_the_cache_by_its_name_before_transformers_5_24_still_works():
     """`past_key_values=` (what transformers 5.23's generate() passes, and code written for it) is the same
-    cache as `cache=`; both at once are refused."""
+    cache as `cache=`; both at once are refused. Where transformers has renamed it (5.24 on), the old name
+    gives the FutureWarning that transformers' models give (its common test `test_bc_cache_name_forward`
+    looks for "`past_key_values` is deprecated"), and `cache=` none."""
     torch.manual_seed(0)
     model = GPTForCausalLM(GPTConfig(**TINY)).eval()
     ids = torch.randint(0, 96, (2, 7))
@@ -169,7 +172,12 @@ def test_the_cache_by_its_name_before_transformers_5_24_still_works():
     with torch.no_grad():
         for name in ("cache", "past_key_values"):
             cache = model(ids[:, :6], use_cache=True)[CACHE]
-            out = model(ids[:, 6:], use_cache=True, **{name: cache})
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = model(ids[:, 6:], use_cache=True, **{name: cache})
+            deprecated = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+            expected = 1 if name == "past_key_values" and CACHE == "cache" else 0
+            assert len(deprecated) == expected and all(w.category is FutureWarning for w in deprecated), name
             assert out[CACHE] is cache and cache.get_seq_length() == 7, name
             logits.append(out.logits)
         with pytest.raises(ValueError, match="Pass the cache once, as `cache`"):
