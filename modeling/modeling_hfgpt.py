@@ -63,17 +63,15 @@ def cache_field(outputs: ModelOutput) -> dict[str, Cache | None]:
 
 def _cache_argument(cache: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
     """`cache`, or the cache passed by its name before transformers 5.24, `past_key_values` (taken out of
-    `kwargs`), which transformers 5.23's generate() passes; deprecated where transformers has moved on, with
-    the FutureWarning that transformers' own models give for it."""
+    `kwargs`), which transformers 5.23's generate() passes; deprecated (a FutureWarning, as transformers' own
+    models give) where transformers has moved on."""
     old = kwargs.pop("past_key_values", None)
     if old is None:
         return cache
     if cache is not None:
         raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its name before 5.24).")
     if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
-        warnings.warn(
-            "`past_key_values` is deprecated since transformers 5.24: pass `cache`.", FutureWarning, 3
-        )
+        warnings.warn("`past_key_values` is deprecated: pass `cache`", FutureWarning, stacklevel=3)
     return old
 
 
