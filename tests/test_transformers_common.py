@@ -103,7 +103,10 @@ def transformers_tests(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"{archive.name} has no tests/test_modeling_common.py"
     )
     (tests / "__init__.py").touch()
-    assert set(stub_missing_mixins(tests)) <= {"generation.test_utils", "exporters.test_export"}
+    stubbed = stub_missing_mixins(tests)
+    assert set(stubbed) <= {"generation.test_utils", "exporters.test_export"}, (
+        f"transformers {VERSION}'s test_modeling_common.py imports test modules its source lacks: {stubbed}"
+    )
     shutil.copy(TESTER, tests / "test_hfgpt_common.py")
     return tests
 

@@ -13,25 +13,19 @@ import torch
 from transformers.models.auto import modeling_auto
 from transformers.testing_utils import torch_device
 
-from hfgpt.modeling import (
-    GPTConfig,
-    GPTDoubleHeadsModel,
-    GPTForCausalLM,
-    GPTForQuestionAnswering,
-    GPTForSequenceClassification,
-    GPTForTokenClassification,
-    GPTModel,
-)
+from hfgpt import modeling as hfgpt
+from hfgpt.modeling import GPTConfig, GPTDoubleHeadsModel
 
 # The common tests find a head's task (which labels to pass, which classes are base models) by its class
 # name in transformers' tables of its own models; hfgpt's classes go into them as an in-library model's are.
-for table, name in (
-    (modeling_auto.MODEL_MAPPING_NAMES, "GPTModel"),
-    (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "GPTForCausalLM"),
-    (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "GPTForSequenceClassification"),
-    (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, "GPTForTokenClassification"),
-    (modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES, "GPTForQuestionAnswering"),
-):
+HEADS = {
+    "GPTModel": modeling_auto.MODEL_MAPPING_NAMES,
+    "GPTForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    "GPTForSequenceClassification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "GPTForTokenClassification": modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    "GPTForQuestionAnswering": modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+}
+for name, table in HEADS.items():
     table[GPTConfig.model_type] = name
 
 from .generation.test_utils import GenerationTesterMixin  # noqa: E402  (after the tables)
@@ -68,14 +62,7 @@ class GPTModelTester:
 
 
 class GPTCommonTests(ModelTesterMixin, GenerationTesterMixin):
-    all_model_classes = (
-        GPTModel,
-        GPTForCausalLM,
-        GPTForSequenceClassification,
-        GPTForTokenClassification,
-        GPTForQuestionAnswering,
-        GPTDoubleHeadsModel,
-    )
+    all_model_classes = tuple(getattr(hfgpt, name) for name in HEADS) + (GPTDoubleHeadsModel,)
     layer_norm_position = "pre"
 
     def setUp(self) -> None:
