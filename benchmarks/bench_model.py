@@ -117,7 +117,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         train_shape=(4, 256),
         repeats=3,
         prefill_repeats=5,
-        decode_repeats=2,
+        decode_repeats=3,
         slow_peer_repeats=1,
         model_overrides={},
     ),
@@ -408,14 +408,13 @@ def read_probe(nbytes: int, device: str) -> tuple[Callable[[], Any], int]:
 def interleaved_with_floors(
     ctx: Context, ours: nn.Module, fns: dict[str, Callable[[], Any]], repeats_of: dict[str, int] | None
 ) -> tuple[dict[str, Timing], float, float]:
-    """`interleaved` decoding runs with a `read_probe` of `ours`' decoding weight bytes as the last
-    contender: the runs' timings (the probe's taken out), and the decoding floor (seconds a step) at the
-    start-of-run read rate and at the probe's, of the same minutes."""
+    """`interleaved` decoding runs (one untimed warm-up each, as in every section: a contender's first
+    call at a batch size pays first-use costs that no later call does) with a `read_probe` of `ours`'
+    decoding weight bytes as the last contender: the runs' timings (the probe's taken out), and the
+    decoding floor (seconds a step) at the start-of-run read rate and at the probe's, of the same minutes."""
     weight_bytes = decode_weight_bytes(ours)
     probe, probe_bytes = read_probe(weight_bytes, ctx.device)
-    timings = interleaved(
-        {**fns, READ_PROBE: probe}, ctx.decode_repeats, ctx.device, warmup=0, repeats_of=repeats_of
-    )
+    timings = interleaved({**fns, READ_PROBE: probe}, ctx.decode_repeats, ctx.device, repeats_of=repeats_of)
     floor = weight_bytes / ctx.hardware["read_bytes_per_s"]
     return timings, floor, weight_bytes / (probe_bytes / timings.pop(READ_PROBE).median)
 
@@ -495,11 +494,13 @@ def interleaved(
     warmup: int = 1,
     repeats_of: dict | None = None,
 ) -> dict[str, Timing]:
-    """Time each callable `repeats` times, alternating the order every round (ABBA...) so that drift in
-    the machine's speed hits every contender alike. `repeats_of` lowers the count for slow ones."""
+    """Time each callable `repeats` times after `warmup` untimed calls, alternating the order every round
+    (ABBA...) so that drift in the machine's speed hits every contender alike. `repeats_of` lowers the
+    count for slow ones, which get no warm-up either (OpenAIGPT's recomputing decoding: tens of seconds a
+    run, of which a first call's own costs are a small part)."""
     timings = {name: Timing() for name in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
+    for name, fn in fns.items():
+        for _ in range(0 if repeats_of and name in repeats_of else warmup):
             fn()
     for round_ in range(repeats):
         order = list(fns) if round_ % 2 == 0 else list(reversed(fns))

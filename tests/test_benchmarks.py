@@ -159,6 +159,20 @@ def test_table_lists_every_measurement(bench, tiny_report):
     assert "tokens identical: yes" in table and "NO" not in table
 
 
+def test_every_contender_is_warmed_up_once_untimed_but_the_slow_peers(bench):
+    """The decode and lowp sections time a contender's calls after one untimed warm-up, as the others
+    do (without it, a median of few rounds took in a contender's first call); a slow peer, timed fewer
+    rounds (`repeats_of`), runs only those."""
+    calls: list[str] = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in ("hfgpt", "transformers", "slow")}
+    timings = bench.interleaved(fns, 3, "cpu", repeats_of={"slow": 1})
+    assert calls[:2] == ["hfgpt", "transformers"]  # the warm-ups, before any timed round
+    assert {name: calls.count(name) for name in fns} == {"hfgpt": 4, "transformers": 4, "slow": 1}
+    assert {name: len(timing.times) for name, timing in timings.items()} == {
+        "hfgpt": 3, "transformers": 3, "slow": 1,
+    }  # fmt: skip
+
+
 def test_flop_count_matches_a_hand_count(bench):
     # GPT-2 124M, one token, no context: 12 layers x 2 x (3E^2 + E^2 + 8E^2) + 2 x E x V (head)
     # + attention over the token itself (QK^T and AV: 2 x 2 x E per layer).
