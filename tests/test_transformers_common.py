@@ -54,11 +54,11 @@ def fetch_source_distribution(folder: Path) -> Path:
         timeout=600,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
-    archives = sorted(folder.glob(f"transformers-{VERSION}.tar.gz"))
-    if done.returncode != 0 or not archives:
+    archive = folder / f"transformers-{VERSION}.tar.gz"
+    if done.returncode != 0 or not archive.is_file():
         reason = (done.stderr.strip().splitlines() or ["no archive"])[-1]
         pytest.skip(f"transformers=={VERSION}'s source distribution (its tests) not fetched: {reason}")
-    return archives[0]
+    return archive
 
 
 def stub_missing_mixins(tests: Path) -> list[str]:

@@ -63,7 +63,7 @@ class GPTModelTester:
 
 class GPTCommonTests(ModelTesterMixin, GenerationTesterMixin):
     all_model_classes = tuple(getattr(hfgpt, name) for name in HEADS) + (GPTDoubleHeadsModel,)
-    layer_norm_position = "pre"
+    layer_norm_position: str  # (each test class's block order)
 
     def setUp(self) -> None:
         self.model_tester = GPTModelTester(self, self.layer_norm_position)
