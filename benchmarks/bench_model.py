@@ -93,6 +93,8 @@ INT8_COMPILED = "hfgpt int8 compiled"
 # of its int8 copy now and then. A step that skips its products is off by orders of magnitude.)
 WRONG_STEP = 0.25
 CTRANSLATE2 = "ctranslate2 int8"
+# An int8 copy's row: CTranslate2's median time over the copy's, round by round (`alone_rounds`)
+VS_CTRANSLATE2 = "ctranslate2_time_over_own_by_round"
 
 # Sizes per profile. `full` gives the published figures; `quick` trims repeats and decoding length; `tiny`
 # shrinks the models themselves (hidden 32, 2 layers) for the test suite's smoke runs.
@@ -106,6 +108,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         repeats=5,
         prefill_repeats=11,  # a forward takes seconds, and one busy second moves a median of five
         decode_repeats=3,
+        alone_rounds=4,  # rounds of fresh processes for CTranslate2 and the int8 copies (`alone_rounds`)
         slow_peer_repeats=1,  # OpenAIGPT recomputes the whole sequence per token
         model_overrides={},
     ),
@@ -118,6 +121,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         repeats=3,
         prefill_repeats=5,
         decode_repeats=3,
+        alone_rounds=4,
         slow_peer_repeats=1,
         model_overrides={},
     ),
@@ -130,6 +134,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         repeats=2,
         prefill_repeats=2,
         decode_repeats=1,
+        alone_rounds=2,
         slow_peer_repeats=1,
         model_overrides=dict(n_embd=32, n_layer=2, n_head=2, vocab_size=1000, n_positions=64),
     ),
@@ -792,11 +797,16 @@ def lowp_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Module) 
     slow = {"transformers fp32": ctx.profile["slow_peer_repeats"]} if family == "gpt1" else None
     timings, floor, floor_now = interleaved_with_floors(ctx, ours, fns, slow)
     if alone:
-        runs = alone_rounds(family, ctx.profile_name, alone, ctx.decode_repeats)
+        runs = alone_rounds(family, ctx.profile_name, alone, ctx.decode_repeats, ctx.profile["alone_rounds"])
         accuracy[CTRANSLATE2] = runs[CTRANSLATE2]["accuracy"]
+        peer_rounds = runs[CTRANSLATE2]["round_medians"]
         for name in alone:
             timings[name] = Timing(runs[name]["times"])
             accuracy[name]["measured"] = runs[name]["measured"]
+            if name != CTRANSLATE2:  # (>1: the copy was the faster in that round)
+                accuracy[name][VS_CTRANSLATE2] = [
+                    peer / own for peer, own in zip(peer_rounds, runs[name]["round_medians"], strict=True)
+                ]
     for name, timing in timings.items():
         rows.append(
             Row(
@@ -834,7 +844,9 @@ def decoding_accuracy(
     }
 
 
-def decoder_alone(kind: str, family: str, profile_name: str, repeats: int) -> dict[str, Any]:
+def decoder_alone(
+    kind: str, family: str, profile_name: str, repeats: int, accuracy: bool = True
+) -> dict[str, Any]:
     """A decoder of the lowp section (`CTRANSLATE2`, `INT8` or `INT8_COMPILED`) timed `repeats` times in a
     fresh process of its own (`decoder_worker`): CTranslate2's OpenMP threads, beside torch's in one process,
     left every other contender of the section about 1.3-1.8x slower (GPT-2 on a 2-core Xeon: hfgpt's int8
@@ -842,22 +854,31 @@ def decoder_alone(kind: str, family: str, profile_name: str, repeats: int) -> di
     contender interleaved with four other models in one process ran 5-15% slower than alone (another model
     compiled in the process, another's weights streamed between its runs), so the int8 copies set against
     CTranslate2 are timed alone as well. The same weights (`build_ours`'s seed), prompts and accuracy
-    measures as the section's other rows."""
-    spec = dict(kind=kind, family=family, profile=profile_name, repeats=repeats)
+    measures as the section's other rows (CTranslate2's accuracy measured where `accuracy`)."""
+    spec = dict(kind=kind, family=family, profile=profile_name, repeats=repeats, accuracy=accuracy)
     return run_worker(kind, {**spec, "threads": torch.get_num_threads()})
 
 
-def alone_rounds(family: str, profile_name: str, kinds: list[str], repeats: int) -> dict[str, dict[str, Any]]:
-    """`decoder_alone` for each of `kinds`, `repeats` timed runs each, in two rounds of fresh processes in
-    mirrored order (A B, then B A): half of the runs each, so that a drift of the machine's speed weighs on
-    each alike. Per kind: its times, the first process's accuracy where it has one, and how it was run."""
-    first = (repeats + 1) // 2
-    # A B, the first round (where CTranslate2 also measures its accuracy), then B A with the runs left
-    runs = {kind: decoder_alone(kind, family, profile_name, first) for kind in kinds}
-    if repeats > first:
-        for kind in reversed(kinds):
-            runs[kind]["times"] += decoder_alone(kind, family, profile_name, repeats - first)["times"]
-    measured = f"alone in fresh processes, in two mirrored rounds with {', '.join(kinds)}"
+def alone_rounds(
+    family: str, profile_name: str, kinds: list[str], repeats: int, rounds: int
+) -> dict[str, dict[str, Any]]:
+    """`decoder_alone` for each of `kinds` in `rounds` rounds of fresh processes, `repeats` timed runs each,
+    the order alternating (A B C, then C B A, ...) so that a drift of the machine's speed weighs on each
+    alike. Per kind: its times, its median in each round (`round_medians`: the int8 copies' rows compare
+    them with CTranslate2's of the same round, the process next to theirs), the first process's accuracy
+    where it has one, and how it was run.
+
+    A round's processes run within a minute or so, while this machine's speed drifted by up to 2x over
+    the minutes of a run: round by round, CTranslate2 and an int8 copy meet the same minutes."""
+    runs: dict[str, dict[str, Any]] = {kind: {"times": [], "round_medians": []} for kind in kinds}
+    for round_ in range(rounds):
+        for kind in kinds if round_ % 2 == 0 else reversed(kinds):
+            result = decoder_alone(kind, family, profile_name, repeats, accuracy=round_ == 0)
+            runs[kind]["times"] += result["times"]
+            runs[kind]["round_medians"].append(statistics.median(result["times"]))
+            if "accuracy" in result:
+                runs[kind]["accuracy"] = result["accuracy"]
+    measured = f"alone in fresh processes, {rounds} rounds in alternating order with {', '.join(kinds)}"
     return {kind: {**run, "measured": measured} for kind, run in runs.items()}
 
 
@@ -878,8 +899,8 @@ def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """`decoder_alone`'s process: `repeats` timed greedy runs after an untimed one (which compiles the
-    compiled int8 copy's step), and for CTranslate2 the accuracy of its int8 copy against hfgpt's float32
-    model on the same weights."""
+    compiled int8 copy's step), and for CTranslate2 where `spec["accuracy"]` the accuracy of its int8 copy
+    against hfgpt's float32 model on the same weights."""
     torch.set_num_threads(spec["threads"])
     profile = PROFILES[spec["profile"]]
     ours = build_ours(spec["family"], profile["model_overrides"], "cpu").eval()
@@ -888,16 +909,17 @@ def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if spec["kind"] == CTRANSLATE2:
         decoder = ctranslate2_int8(build_peer(ours))
-        ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)))
-        with torch.inference_mode():
-            reference, ref_tokens = ours(ids).logits.float(), greedy(ours, prompts, new)
-            logits, tokens = decoder.logits(ids), decoder.greedy(prompts, new)
-        result["accuracy"] = decoding_accuracy(logits, reference, tokens, ref_tokens)
+        if spec["accuracy"]:
+            ids = torch.randint(0, ours.config.vocab_size, (2, min(128, ours.config.n_positions)))
+            with torch.inference_mode():
+                reference, ref_tokens = ours(ids).logits.float(), greedy(ours, prompts, new)
+                logits, tokens = decoder.logits(ids), decoder.greedy(prompts, new)
+            result["accuracy"] = decoding_accuracy(logits, reference, tokens, ref_tokens)
     else:
         int8 = quantize_for_decoding(ours)
         decoder = module_decoder(int8, **(compiled_decoding(int8) if spec["kind"] == INT8_COMPILED else {}))
-        with torch.inference_mode():
-            decoder.greedy(prompts, new)  # (compiles the compiled copy's step)
+    with torch.inference_mode():
+        decoder.greedy(prompts, new)  # (untimed; compiles the compiled copy's step)
     del ours
     times = []
     with torch.inference_mode():
@@ -1348,7 +1370,7 @@ def format_table(report: dict[str, Any]) -> str:
                     f"{_same_minutes(ex, 'fp32_floor_same_minutes_ms_per_step')}); "
                     f"max logit err {ex['max_abs_logit_err']:.2g}, "
                     f"top-1 {100 * ex['top1_agreement']:.1f}%, greedy agree "
-                    f"{100 * ex['greedy_token_agreement']:.0f}%{compiled} |"
+                    f"{100 * ex['greedy_token_agreement']:.0f}%{compiled}{_vs_ctranslate2(ex, long=True)} |"
                 )
             continue
         ours, peer = by_impl.get("hfgpt"), by_impl.get("transformers")
@@ -1613,7 +1635,19 @@ def _summary_cell(row: dict) -> str:
     if row["section"] in ("prefill", "train"):
         speed = f"{ex['s_per_step']:.2f} s a step" if "s_per_step" in ex else f"{row['rate']:.0f} tok/s"
         return speed + (f", MFU {100 * row['mfu']:.0f}%" if row["mfu"] is not None else "")
-    return f"{ex['ms_per_step']:.1f} ms a step"
+    return f"{ex['ms_per_step']:.1f} ms a step{_vs_ctranslate2(ex)}"
+
+
+def _vs_ctranslate2(ex: dict[str, Any], long: bool = False) -> str:
+    """An int8 copy's speed against CTranslate2's round by round (`VS_CTRANSLATE2`): the median of the
+    rounds' ratios (>1x: the copy the faster), with their range and count where `long`; "" elsewhere."""
+    ratios = ex.get(VS_CTRANSLATE2)
+    if not ratios:
+        return ""
+    median = f"{statistics.median(ratios):.2f}x CTranslate2's speed round by round"
+    return (
+        f"; {median} ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if long else f", {median}"
+    )
 
 
 def _run_line(run_: dict[str, Any]) -> str:

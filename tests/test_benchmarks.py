@@ -785,31 +785,45 @@ def test_ctranslate2_runs_beside_hfgpts_decoding_copies_in_the_lowp_section(tmp_
     assert bench_model.CTRANSLATE2 not in impls["gpt1"]  # no GPT-1 converter in CTranslate2
     ct2 = next(r for r in rows if r["impl"] == bench_model.CTRANSLATE2)
     assert ct2["rate"] > 0 and 0 < ct2["extra"]["max_abs_logit_err"] < 0.5
-    # timed in processes of its own (its OpenMP threads slowed the others in one process), same repeats
-    assert ct2["extra"]["measured"].startswith("alone in fresh processes") and ct2["n"] == 1
+    # timed in processes of its own (its OpenMP threads slowed the others in one process): `--repeats` runs
+    # in each of the tiny profile's 2 rounds
+    assert ct2["extra"]["measured"].startswith("alone in fresh processes") and ct2["n"] == 2
     assert "| gpt2 | decode ctranslate2 int8 |" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_the_int8_copies_are_timed_alone_beside_ctranslate2_in_mirrored_rounds(tmp_path, monkeypatch):
+def test_the_int8_copies_are_timed_alone_beside_ctranslate2_round_by_round(tmp_path, monkeypatch, capsys):
     pytest.importorskip("ctranslate2")
     started = []
     decoder_alone = bench_model.decoder_alone
 
-    def recorded(kind, family, profile, repeats):
-        started.append((kind, repeats))
-        return decoder_alone(kind, family, profile, repeats)
+    def recorded(kind, family, profile, repeats, accuracy=True):
+        started.append((kind, repeats, accuracy))
+        result = decoder_alone(kind, family, profile, repeats, accuracy)
+        # each process's times are its place in the order (1 to 6), so the rows' ratios show which it paired
+        result["times"] = [float(len(started))] * repeats
+        return result
 
     monkeypatch.setattr(bench_model, "decoder_alone", recorded)
     argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile,ctranslate2"]
     assert bench_model.main([*argv, "--repeats", "3", "--json", str(tmp_path / "figures.json")]) == 0
     ct2, int8, int8c = bench_model.CTRANSLATE2, bench_model.INT8, bench_model.INT8_COMPILED
-    # A B C, then C B A: two of the three runs of each in the first round, one in the second
-    assert started == [(ct2, 2), (int8, 2), (int8c, 2), (int8c, 1), (int8, 1), (ct2, 1)]
+    assert bench_model.PROFILES["tiny"]["alone_rounds"] == 2
+    # A B C, then C B A, each process timing all 3 runs; CTranslate2's accuracy in the first round only
+    assert started == [
+        (ct2, 3, True), (int8, 3, True), (int8c, 3, True), (int8c, 3, False), (int8, 3, False), (ct2, 3, False)
+    ]  # fmt: skip
     rows = {r["impl"]: r for r in json.loads((tmp_path / "figures.json").read_text())["rows"]}
-    assert rows[ct2]["n"] == rows[int8]["n"] == rows[int8c]["n"] == 3
+    assert rows[ct2]["n"] == rows[int8]["n"] == rows[int8c]["n"] == 6
     for row in (rows[ct2], rows[int8], rows[int8c]):
-        assert f"with {ct2}, {int8}, {int8c}" in row["extra"]["measured"] and row["rate"] > 0
+        assert f"2 rounds in alternating order with {ct2}, {int8}, {int8c}" in row["extra"]["measured"]
+    # round by round, CTranslate2's time over the copy's: (process 1 / 2, then 6 / 5) and (1 / 3, 6 / 4)
+    assert rows[int8]["extra"][bench_model.VS_CTRANSLATE2] == pytest.approx([1 / 2, 6 / 5])
+    assert rows[int8c]["extra"][bench_model.VS_CTRANSLATE2] == pytest.approx([1 / 3, 6 / 4])
+    assert bench_model.VS_CTRANSLATE2 not in rows[ct2]["extra"]
+    table = capsys.readouterr().out
+    assert "; 0.85x CTranslate2's speed round by round (0.50-1.20, 2 rounds) |" in table
+    assert bench_model._summary_cell(rows[int8]).endswith(", 0.85x CTranslate2's speed round by round")
     # the copy's accuracy is measured here, as the eager copy's (the same copy, the same tokens)
     assert rows[int8c]["extra"]["max_abs_logit_err"] == rows["hfgpt int8"]["extra"]["max_abs_logit_err"]
     assert rows[ct2]["extra"]["max_abs_logit_err"] > 0
