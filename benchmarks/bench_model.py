@@ -868,8 +868,9 @@ def alone_rounds(
     them with CTranslate2's of the same round, the process next to theirs), the first process's accuracy
     where it has one, and how it was run.
 
-    A round's processes run within a minute or so, while this machine's speed drifted by up to 2x over
-    the minutes of a run: round by round, CTranslate2 and an int8 copy meet the same minutes."""
+    A round's processes run within a minute or two, and a shared machine's speed can move by tens of
+    percent between the minutes of a run: round by round, CTranslate2 and an int8 copy meet the same
+    minutes, which medians over the whole run do not ensure."""
     runs: dict[str, dict[str, Any]] = {kind: {"times": [], "round_medians": []} for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds if round_ % 2 == 0 else reversed(kinds):
