@@ -865,8 +865,8 @@ def alone_rounds(
     """`decoder_alone` for each of `kinds` in `rounds` rounds of fresh processes, `repeats` timed runs each,
     the order alternating (A B C, then C B A, ...) so that a drift of the machine's speed weighs on each
     alike. Per kind: its times, its median in each round (`round_medians`: the int8 copies' rows compare
-    them with CTranslate2's of the same round, the process next to theirs), the first process's accuracy
-    where it has one, and how it was run.
+    them with CTranslate2's of the same round), the first process's accuracy where it has one, and how it
+    was run.
 
     A round's processes run within a minute or two, and a shared machine's speed can move by tens of
     percent between the minutes of a run: round by round, CTranslate2 and an int8 copy meet the same
