@@ -228,17 +228,19 @@ def onednn_products(enabled: bool | None) -> Iterator[bool]:
         _cpu_products["onednn"] = previous
 
 
-def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
+def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor, head: bool = False) -> bool:
     """Whether `x @ weight (+ bias)` goes through oneDNN: float32 CPU tensors outside autocast, a
     compiled graph or a TorchScript trace, and at least two rows (one row is MKL's faster
     matrix-vector kernel), where `onednn_runs_here`; in the default setting (`use_onednn_products(None)`)
-    on a CPU without AVX-512 (`avx512_cpu`), only up to `FEW_ROWS` rows.
+    on a CPU without AVX-512 (`avx512_cpu`), only up to `FEW_ROWS` rows, and on AMD's CPUs (not
+    `mkl_decodes_fast`) the LM head's forward product at any row count (`head=True`).
 
     Where torch's kernels stop at AVX2, oneDNN's float32 products at prefill and training sizes are
-    slower than MKL's sgemm (the MLP's product with oneDNN's tanh GELU and the transposed weight
-    gradients most of all), so those run on MKL, as the plain model's do; at a decoding step's few rows,
-    split between the threads, oneDNN stays the faster there on AMD's CPUs, and MKL on Intel's
-    (`mkl_decodes_fast`)."""
+    slower than MKL's sgemm on Intel's CPUs (the MLP's product with oneDNN's tanh GELU and the transposed
+    weight gradients most of all), so those run on MKL, as the plain model's do. On AMD's, MKL takes slower
+    paths: a decoding step's few rows, split between the threads, and the head's product, whose (V, E) weight
+    is already in the layout oneDNN reads (unlike the Conv1D layers' (E, out) weights, on which oneDNN chose a
+    slower kernel for GPT-2's MLP), run faster on oneDNN there (benchmarks/RESULTS.md)."""
     # The row count first, which rules out a one-row decoding step's products at the least cost; the CPU's
     # capability after `onednn_runs_here`'s compile check (torch.compile cannot trace its lookup).
     return (
@@ -248,7 +250,7 @@ def onednn_products_apply(x: torch.Tensor, *params: torch.Tensor) -> bool:
         and (
             bool(_cpu_products["onednn"])
             or avx512_cpu()
-            or (x.numel() <= FEW_ROWS * x.shape[-1] and not mkl_decodes_fast())
+            or ((head or x.numel() <= FEW_ROWS * x.shape[-1]) and not mkl_decodes_fast())
         )
     )
 
@@ -991,8 +993,9 @@ def large_empty(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` (contiguous
-    logits), else written into rows padded to a multiple of 64 elements, returning the unpadded view.
+    """`hidden @ weight.T` in `hidden`'s dtype: by oneDNN where `onednn_products_apply` for the head
+    (contiguous logits), else written into rows padded to a multiple of 64 elements, returning the unpadded
+    view.
 
     oneDNN runs GPT-2's head faster than MKL's row-aligned product. MKL's float32 GEMM runs GPT-2's
     50257-wide LM head faster when each output row starts on a 256-byte boundary (benchmarks/RESULTS.md,
@@ -1001,7 +1004,7 @@ def row_aligned_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     A float32 `weight` with bfloat16 `hidden` is multiplied a block of `weight_blocks` at a time, with the
     values of autocast's `F.linear`.
     """
-    if hidden.dtype == weight.dtype and onednn_products_apply(hidden, weight):
+    if hidden.dtype == weight.dtype and onednn_products_apply(hidden, weight, head=True):
         return onednn_mm(hidden, weight)
     vocab = weight.shape[0]
     buffer = large_empty(hidden.shape[0], -(-vocab // 64) * 64, hidden)

@@ -175,8 +175,8 @@ def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx
 ):
     """`use_onednn_products(None)` (the default): oneDNN for products of two or more rows where torch's
     kernels run AVX-512 (`avx512_cpu`); where they stop at AVX2, only up to `FEW_ROWS` rows (a decoding
-    step) on AMD's CPUs, and nowhere on Intel's (`mkl_decodes_fast`), MKL otherwise. True runs oneDNN at
-    every size whatever the CPU, False nowhere."""
+    step) and the LM head's product (`head=True`) on AMD's CPUs, and nowhere on Intel's
+    (`mkl_decodes_fast`), MKL otherwise. True runs oneDNN at every size whatever the CPU, False nowhere."""
     if ops_hfgpt._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: avx512)
@@ -191,19 +191,22 @@ def test_the_default_setting_runs_onednn_at_every_size_only_where_torch_runs_avx
         assert onednn_products_apply(torch.randn(2, few // 2, 32), weight) == (avx512 or not intel)
         assert onednn_products_apply(torch.randn(many, 32), weight) == avx512
         assert onednn_products_apply(torch.randn(4, 128, 32), weight) == avx512
+        assert onednn_products_apply(torch.randn(4, 128, 32), weight, head=True) == (avx512 or not intel)
+        assert not onednn_products_apply(torch.randn(1, 32), weight, head=True)
     with ops_hfgpt.onednn_products(True):
         assert onednn_products_apply(torch.randn(4, 128, 32), weight)
     with ops_hfgpt.onednn_products(False) as may_run:
         assert not may_run and not onednn_products_apply(torch.randn(2, 32), weight)
+        assert not onednn_products_apply(torch.randn(4, 128, 32), weight, head=True)
 
 
 @pytest.mark.parametrize("intel", [True, False])
-def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_only(
+def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_and_the_head(
     intel, onednn_recorded, monkeypatch
 ):
     """Where torch's kernels stop at AVX2, a kernelized model's prefill and training products run on MKL
-    (as the plain model's do) and its batched decoding steps on oneDNN on AMD's CPUs, on MKL too on
-    Intel's (`mkl_decodes_fast`), with the same logits."""
+    (as the plain model's do), and its batched decoding steps and the LM head of a forward without
+    gradients on oneDNN on AMD's CPUs, on MKL too on Intel's (`mkl_decodes_fast`), with the same logits."""
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: False)
     monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: intel)
     torch.manual_seed(0)
@@ -215,7 +218,10 @@ def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_only
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, peer(ids).logits, atol=1e-5, rtol=1e-5)
-    assert onednn_recorded == []  # 20 rows each
+    # The training step's products on MKL (its loss reads the head's weight itself); the forward's too,
+    # but for its head's (20 rows) on AMD's CPUs
+    assert [shape[0] for shape in onednn_recorded] == ([] if intel else [20])
+    onednn_recorded.clear()
     prompts = torch.randint(0, 96, (4, 5))
     with torch.no_grad():
         model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=3, do_sample=False)
