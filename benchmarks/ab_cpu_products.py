@@ -1,13 +1,14 @@
-"""hfgpt with its float32 CPU products through oneDNN at every size (`use_onednn_products(True)`; the
-default runs them there only where oneDNN is the faster on the CPU) against the same model through MKL's
-`addmm` (`use_onednn_products(False)`, the products transformers' `Conv1D` runs), interleaved in one
-process: prefill, greedy decoding and a training step of GPT-2 124M shapes (random weights).
+"""hfgpt with its float32 CPU products through oneDNN at every size (`use_onednn_products(True)`), through
+MKL's `addmm` (`use_onednn_products(False)`, the products transformers' `Conv1D` runs), and in its default
+setting (`use_onednn_products(None)`: oneDNN only where it was measured the faster on such a CPU), interleaved
+in one process: prefill, greedy decoding and a training step of GPT-2 124M shapes (random weights).
 
     python benchmarks/ab_cpu_products.py --json benchmarks/ab-cpu-products-gpt2.json
     python benchmarks/ab_cpu_products.py --tiny              # the test suite's smoke run
 
-Ratios are MKL time / oneDNN time (>1: oneDNN faster). The decoding rows also say whether the two
-produced the same greedy tokens (they round differently, so on random weights a near-tie can flip).
+Ratios are MKL time / oneDNN time and MKL time / the default's time (>1: the other faster than MKL). The
+decoding rows also say whether the three produced the same greedy tokens (they round differently, so on
+random weights a near-tie can flip).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ from bench_model import (
 
 from hfgpt.cpu import ops as ops_hfgpt
 
-BACKENDS = ("onednn", "mkl")
+# hfgpt's settings compared: `use_onednn_products(...)` by name.
+SETTINGS: dict[str, bool | None] = {"onednn": True, "mkl": False, "default": None}
+BACKENDS = tuple(SETTINGS)
 
 
 def on(backend: str, fn) -> Any:
-    """`fn` run with hfgpt's products on `backend`."""
+    """`fn` run with hfgpt's products on `backend` (a name of `SETTINGS`)."""
 
     def run() -> Any:
-        with ops_hfgpt.onednn_products(backend == "onednn"):
+        with ops_hfgpt.onednn_products(SETTINGS[backend]):
             return fn()
 
     return run
@@ -52,6 +55,7 @@ def ab(name: str, fns: dict[str, Any], repeats: int, unit_count: float, unit: st
     for backend, timing in timings.items():
         row[backend] = {**timing.summary(), "rate": unit_count / timing.median}
     row["mkl_over_onednn"] = timings["mkl"].median / timings["onednn"].median
+    row["mkl_over_default"] = timings["mkl"].median / timings["default"].median
     return row
 
 
@@ -79,7 +83,7 @@ def run(tiny: bool, family: str, repeats: int | None) -> dict[str, Any]:
         row = ab(
             f"decode B={batch}, {profile['prompt_len']}+{new} tokens", fns, repeats, batch * new, "new tok/s"
         )
-        row["tokens_identical"] = bool(torch.equal(tokens["onednn"], tokens["mkl"]))
+        row["tokens_identical"] = all(torch.equal(tokens["mkl"], tokens[b]) for b in BACKENDS)
         rows.append(row)
     batch, seq_len = profile["train_shape"]
     ids = torch.randint(0, vocab, (batch, seq_len))
@@ -90,10 +94,11 @@ def run(tiny: bool, family: str, repeats: int | None) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        f"hfgpt {report['family']}: oneDNN vs MKL float32 CPU products, interleaved in one process",
+        f"hfgpt {report['family']}: float32 CPU products on oneDNN, on MKL and as by default, interleaved in"
+        " one process",
         "",
-        "| case | oneDNN | MKL | MKL time / oneDNN time | notes |",
-        "|---|---|---|---|---|",
+        "| case | oneDNN | MKL | default | MKL time / oneDNN time | MKL time / default's time | notes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         cells = [f"{row[b]['rate']:.3g} {row['unit']} ({row[b]['median_s'] * 1000:.0f} ms)" for b in BACKENDS]
@@ -102,7 +107,8 @@ def format_table(report: dict[str, Any]) -> str:
             if "tokens_identical" in row
             else ""
         )
-        lines.append(f"| {row['case']} | {cells[0]} | {cells[1]} | {row['mkl_over_onednn']:.2f}x | {notes} |")
+        ratios = f"{row['mkl_over_onednn']:.2f}x | {row['mkl_over_default']:.2f}x"
+        lines.append(f"| {row['case']} | {' | '.join(cells)} | {ratios} | {notes} |")
     return "\n".join(lines)
 
 

@@ -242,7 +242,7 @@ def test_mkl_products_run_is_marked_and_leaves_the_setting_as_it_was(tmp_path, c
 @pytest.mark.skipif(
     bench_model.ops_hfgpt._ONEDNN_LINEAR is None, reason="compares oneDNN with MKL: needs oneDNN"
 )
-def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
+def test_cpu_products_ab_times_each_setting_on_every_path(tmp_path, capsys):
     import ab_cpu_products
 
     from hfgpt.cpu import ops as ops_hfgpt
@@ -253,14 +253,16 @@ def test_cpu_products_ab_times_both_backends_on_every_path(tmp_path, capsys):
         setting = lambda: ops_hfgpt._cpu_products["onednn"]  # noqa: E731
         assert ab_cpu_products.on("mkl", setting)() is False
         assert ab_cpu_products.on("onednn", setting)() is True
+        assert ab_cpu_products.on("default", setting)() is None
         assert ops_hfgpt._cpu_products["onednn"] is True
     report = json.loads((tmp_path / "ab.json").read_text())
     cases = [row["case"] for row in report["rows"]]
     assert [c.split()[0] for c in cases] == ["prefill", "prefill", "decode", "decode", "train"]
     for row in report["rows"]:
-        for backend in ("onednn", "mkl"):
+        for backend in ("onednn", "mkl", "default"):
             assert row[backend]["rate"] > 0 and row[backend]["n"] == 2
         assert row["mkl_over_onednn"] == pytest.approx(row["mkl"]["median_s"] / row["onednn"]["median_s"])
+        assert row["mkl_over_default"] == pytest.approx(row["mkl"]["median_s"] / row["default"]["median_s"])
     assert all(isinstance(row["tokens_identical"], bool) for row in report["rows"] if "decode" in row["case"])
     table = capsys.readouterr().out
     assert table.count("\n| ") == 1 + len(cases)  # the header row and one row a case
@@ -459,6 +461,8 @@ def test_step_breakdown_refuses_bad_arguments_before_building_models(
 OTHER_FIGURES = {
     "ab-cpu-products-gpt1.json",  # ab_cpu_products.py --family gpt1
     "ab-cpu-products-gpt2.json",  # ab_cpu_products.py --family gpt2
+    "ab-cpu-products-gpt1-avx2.json",  # .ci/as-avx2 python benchmarks/ab_cpu_products.py --family gpt1
+    "ab-cpu-products-gpt2-avx2.json",  # .ci/as-avx2 python benchmarks/ab_cpu_products.py --family gpt2
     "ab-kernels-cpu.json",  # ab_kernels.py
     "ab-kernels-cpu-avx2.json",  # .ci/as-avx2 python benchmarks/ab_kernels.py
     "lowp-accuracy-cpu.json",  # lowp_accuracy.py
