@@ -167,7 +167,8 @@ def avx512_cpu() -> bool:
     which `ATEN_CPU_CAPABILITY` can lower): the CPUs on which hfgpt's oneDNN products
     (`onednn_products_apply`) and banded attention (`banded_attention_applies`) were measured faster than
     the plain model's MKL products and sdpa (benchmarks/RESULTS.md). On CPUs where torch's kernels stop
-    at AVX2 both were measured slower at prefill sizes, and step aside there."""
+    at AVX2 both were measured slower at prefill sizes, and step aside there (but for the LM head's product
+    on AMD's CPUs, `onednn_products_apply`)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
