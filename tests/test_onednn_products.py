@@ -205,8 +205,9 @@ def test_the_default_setting_without_avx512_keeps_onednn_for_decoding_steps_and_
     intel, onednn_recorded, monkeypatch
 ):
     """Where torch's kernels stop at AVX2, a kernelized model's prefill and training products run on MKL
-    (as the plain model's do), and its batched decoding steps and the LM head of a forward without
-    gradients on oneDNN on AMD's CPUs, on MKL too on Intel's (`mkl_decodes_fast`), with the same logits."""
+    (as the plain model's do), and its batched decoding steps and its LM head's forward product (where
+    no loss computes the head itself) on oneDNN on AMD's CPUs, on MKL too on Intel's (`mkl_decodes_fast`),
+    with the same logits."""
     monkeypatch.setattr(ops_hfgpt, "avx512_cpu", lambda: False)
     monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: intel)
     torch.manual_seed(0)
