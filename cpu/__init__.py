@@ -1,26 +1,22 @@
-"""hfgpt's CPU backend: oneDNN products, C kernels and a fused LM-head loss that make hfgpt's models fast
-on x86 CPUs, plugged into the plain models from outside.
+"""hfgpt's CPU backend: each decoding step of `generate()` in one call into C, and decoding copies with int8,
+bfloat16 or float32 weights (`quantize_for_decoding`).
 
-Importing hfgpt (`hfgpt.modeling`) kernelizes every hfgpt model as it is built, unless the environment
-sets `HFGPT_CPU_BACKEND=0`. Each swapped layer checks call by call whether its faster path applies (CPU,
-float32 or bfloat16, eager) and otherwise runs the plain layer, so a model on another device computes the
-plain model. `unkernelize(model)` restores the plain layers of one model; `kernelize(model)` swaps them in.
+Importing hfgpt (`hfgpt.modeling`) installs it for every `GPTForCausalLM`, unless the environment sets
+`HFGPT_CPU_BACKEND=0`. A decoding step runs in C only where that computes what the model's own code would,
+decided from the model as it is at that call; everything else runs the model file's code.
+`unkernelize(model)` takes one model off the backend, `kernelize(model)` puts it on (whatever the default).
 """
 
 import hfgpt.modeling  # noqa: F401  (the models; importing them installs this backend)
 
-from .layers import ATTENTION, ENV_SWITCH, enabled_by_default, is_kernelized, kernelize, unkernelize
-from .ops import onednn_products, use_onednn_products
+from .backend import ENV_SWITCH, enabled_by_default, is_kernelized, kernelize, unkernelize
 from .quantization import quantize_for_decoding
 
 __all__ = [
-    "ATTENTION",
     "ENV_SWITCH",
     "enabled_by_default",
     "is_kernelized",
     "kernelize",
-    "onednn_products",
     "quantize_for_decoding",
     "unkernelize",
-    "use_onednn_products",
 ]

@@ -1,19 +1,22 @@
-"""A decoding step of a whole model in one call into C (csrc/decode_step.h), for the CPU backend's float32
-models and for the int8 decoding copy.
+"""A decoding step of a whole model in one call into C (csrc/decode_step.h), for float32 models and for the
+int8 decoding copy.
 
 Block by block, a decoding step of GPT-2 makes about 40 calls into C and torch with Python between them
-(the checks, the attention's reshapes, the cache's writes): at one row its blocks took about 1.5x as long
-as in one call (benchmarks/RESULTS.md). `one_call_forward`, set on a `GPTModel` instance in place of its
-`forward` (by `kernelize`, through `model_forward`, and by `quantize_for_decoding`), runs the embeddings,
-every block with its attention on the cache, and the final layer norm in one OpenMP parallel region
-(`torch.ops.hfgpt.float_decode_step` or `int8_decode_step`), wherever that computes what
-`GPTModel.forward` would; everything else runs `GPTModel.forward`.
+(the attention's reshapes, the cache's writes): at one row its blocks took about 1.5x as long as in one call
+(benchmarks/RESULTS.md). `decoding_step` runs the embeddings, every block with its attention on the cache,
+and the final layer norm in one OpenMP parallel region (`torch.ops.hfgpt.float_decode_step` or
+`int8_decode_step`), wherever that computes what the model's own code would; everywhere else it declines
+and the caller runs the model.
 
-Each kind of block the step computes registers a `StepKind` in `STEP_KINDS`: the plain `GPTBlock` with
-its Conv1D layers (`hfgpt.cpu.layers`), the int8 copy's `Int8Block` (`hfgpt.cpu.quantization`).
+"What the model's own code would compute" is decided from the model as it is at that call: the modules
+and their classes, the methods of those classes (`watch_code`), hooks, parameters (identity, layout, dtype,
+device), the attention function transformers' registry holds. The full checks run once per model and
+are then watched (`_StepWatch`): a step finds everything unchanged in a few microseconds.
+
+Each kind of block the step computes registers a `StepKind` in `STEP_KINDS`: the plain `GPTBlock` with its
+Conv1D layers (here), the int8 copy's `Int8Block` (`hfgpt.cpu.quantization`).
 """
 
-import functools
 import operator
 import weakref
 from collections.abc import Callable
@@ -22,14 +25,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel, _cache_argument
+from hfgpt.modeling import modeling_hfgpt
+from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTMLP, GPTAttention, GPTBlock, GPTModel
 
 from . import kernels
 from .cache import GrowingLayer, grow_in_place
-from .ops import (
+from .checks import (
+    eager,
     float32_vector,
     has_forward_hooks,
     has_global_forward_hooks,
@@ -65,41 +73,55 @@ class StepKind:
 STEP_KINDS: dict[type, StepKind] = {}
 
 
-def one_call_forward(
-    self: GPTModel,
-    input_ids: torch.LongTensor | None = None,
-    cache: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    token_type_ids: torch.LongTensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    **kwargs: Any,
-) -> BaseModelOutputWithPast:
-    """`GPTModel.forward`, whose decoding steps run in one call of hfgpt's C kernel.
+def watch_code(owner: Any, name: str) -> None:
+    """Record `owner.name` (a class's method, a module's function) as code the step computes instead of
+    running: a step runs only while every recorded attribute is still what it was here, so that a user's
+    class-level patch (`GPTBlock.forward = ...`) runs as it does in the plain model."""
+    CODE.append((owner, name, getattr(owner, name)))
 
-    The step runs where a forward is one decoding step that the kernel computes exactly as
-    `GPTModel.forward` would (`decodes_in_one_call`): one new token per sequence, given as ids, on top of
-    a plain `DynamicCache` of the earlier positions (as `generate()` passes it), with a 2-D attention mask
-    or none, no hook, no gradient, no training, no output of attentions or hidden states, outside
-    compilation, every block of a kind in `STEP_KINDS` that it computes, heads of 64. Its attention is the
-    CPU backend's decode attention (the C function that `hfgpt_attention_decode` runs). Everything else (a
-    prompt, a static cache, ...) runs `GPTModel.forward`."""
-    plain = functools.partial(GPTModel.forward, self)
-    if torch.compiler.is_compiling():
-        return plain(
-            input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds, use_cache, **kwargs
-        )
-    cache = _cache_argument(cache, kwargs)
-    if inputs_embeds is None and token_type_ids is None:
-        grow_in_place(cache)  # (a plain DynamicCache's layers made `GrowingLayer`s, as the CPU backend does)
-        if decodes_in_one_call(self, input_ids, cache, attention_mask, position_ids, use_cache, kwargs):
-            outputs = _decoding_step(self, input_ids, cache, attention_mask, position_ids)
-            if outputs is not None:
-                return outputs
-    return plain(
-        input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds, use_cache, **kwargs
-    )
+
+# (owner, name, value) of the code the step stands in for (`watch_code`)
+CODE: list[tuple[Any, str, Any]] = []
+for _owner, _name in (
+    (nn.Module, "__call__"),
+    (GPTModel, "__call__"),
+    (GPTModel, "forward"),
+    (nn.Embedding, "forward"),
+    (nn.Dropout, "forward"),
+    (nn.LayerNorm, "forward"),
+    (modeling_hfgpt, "eager_attention_forward"),
+    (modeling_hfgpt, "gelu_tanh"),
+):
+    watch_code(_owner, _name)
+
+
+def code_unchanged() -> bool:
+    """Whether the code the step stands in for is as recorded (`watch_code`)."""
+    return all(getattr(owner, name) is value for owner, name, value in CODE)
+
+
+def decoding_step(
+    model: GPTModel,
+    input_ids: torch.LongTensor | None,
+    cache: Any,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    use_cache: bool | None,
+    kwargs: dict[str, Any],
+) -> BaseModelOutputWithPast | None:
+    """What `model(input_ids, cache=cache, ...)` returns, computed in one call into C, or None (nothing run,
+    nothing changed) where this forward is not one decoding step that the kernel computes exactly as the
+    model's own code would (`decodes_in_one_call`): then the caller runs the model.
+
+    The step's attention reads the cache's keys and values from buffers with spare positions
+    (`hfgpt.cpu.cache.GrowingLayer`) and writes the new ones into them."""
+    if "past_key_values" in kwargs:  # (the cache's name before transformers 5.24)
+        if cache is not None:
+            return None
+        cache = kwargs["past_key_values"]
+    if not decodes_in_one_call(model, input_ids, cache, attention_mask, position_ids, use_cache, kwargs):
+        return None
+    return _decoding_step(model, input_ids, cache, attention_mask, position_ids)
 
 
 def decodes_in_one_call(
@@ -111,12 +133,17 @@ def decodes_in_one_call(
     use_cache: bool | None,
     kwargs: dict[str, Any],
 ) -> bool:
-    """Whether the one-call step computes this forward of `model` as `GPTModel.forward` would (see
-    `one_call_forward`)."""
+    """Whether the one-call step computes this forward of `model` as `model(...)` would: one new token per
+    sequence, given as ids, on top of a plain `DynamicCache` of the earlier positions (as `generate()` passes
+    it), with a 2-D attention mask or none, no gradient, no training, no output of attentions or hidden
+    states, run eagerly outside autocast, the model's own code (`code_unchanged`) and attention function, no
+    hook, every block of a kind in `STEP_KINDS` that it computes, heads of 64."""
     config = model.config
     return_dict = kwargs.get("return_dict")
     if (
-        input_ids is None
+        not eager()
+        or type(model) is not GPTModel
+        or input_ids is None
         or input_ids.dim() != 2
         or input_ids.shape[1] != 1
         or input_ids.dtype != torch.int64
@@ -125,14 +152,18 @@ def decodes_in_one_call(
         or not has_storage(input_ids)
         or type(cache) is not DynamicCache
         or not (use_cache or (use_cache is None and config.use_cache))
-        or any(key != "return_dict" for key in kwargs)
+        or any(key not in ("return_dict", "past_key_values") for key in kwargs)
         or not (config.return_dict if return_dict is None else return_dict)
         or config.output_attentions
         or config.output_hidden_states
-        or config._attn_implementation not in ("sdpa", "eager")
         or model.training
-        or torch.jit.is_tracing()
         or torch.is_autocast_enabled("cpu")
+        or not code_unchanged()
+        or _ATTENTION.get(config._attn_implementation, _ATTENTION)
+        is not ALL_ATTENTION_FUNCTIONS.get_interface(
+            config._attn_implementation, modeling_hfgpt.eager_attention_forward
+        )
+        or has_forward_hooks(model)
     ):
         return False
     tensors = step_tensors(model)
@@ -153,7 +184,7 @@ def decodes_in_one_call(
     for layer in layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if (
-            type(layer) is not GrowingLayer
+            type(layer) not in (GrowingLayer, DynamicLayer)
             or type(keys) is not torch.Tensor
             or type(values) is not torch.Tensor
             or keys.shape != shape
@@ -227,6 +258,8 @@ def _kernel_computes(model: GPTModel) -> StepKind | None:
     kind = STEP_KINDS.get(type(blocks[0])) if blocks else None
     if kind is None or any(type(block) is not type(blocks[0]) for block in blocks):
         return None
+    if type(modules["drop"]) is not nn.Dropout:
+        return None
     # (code the step would not run: the blocks' parts are the kind's to check)
     if any(m is not None and has_forward_hooks(m) for m in (wte, wpe, modules["drop"], ln_f, *blocks)):
         return None
@@ -236,10 +269,13 @@ def _kernel_computes(model: GPTModel) -> StepKind | None:
     eps, inner = first.ln_1.eps, kind.inner(first)
     if all(
         block.attn.head_dim == kernels.HEAD_SIZE
+        and block.attn.num_heads * kernels.HEAD_SIZE == width
+        and block.attn.layer_idx == index  # (the cache layer the block's attention updates)
+        and block.attn.config is model.config  # (whose attention implementation `decodes_in_one_call` read)
         and block.ln_1.eps == eps
         and kind.inner(block) == inner
         and block.pre_norm == first.pre_norm
-        for block in blocks
+        for index, block in enumerate(blocks)
     ):
         return kind
     return None
@@ -275,6 +311,8 @@ def _decoding_step(
     blocks = list(model._modules["h"])
     ln_f = model._modules.get("ln_f")
     end = 2 + len(blocks) * kind.block_tensors
+    grow_in_place(cache)
+    layers = cache.layers
     buffers = [layer.reserve(1) for layer in layers]
     hidden = getattr(kernels, kind.step)(
         input_ids.reshape(batch).contiguous(),
@@ -320,7 +358,9 @@ class _StepWatch:
         self.modal: list[dict] = []
         self.tensors: list[torch.Tensor] = []  # (in the step operator's order)
         modules = model._modules
+        self.setting(model, "config")
         h = self.module(modules, "h")
+        self.blocks = (h._modules, len(h._modules))  # (a block appended: GPTModel.forward runs it too)
         wte, wpe = self.module(modules, "wte"), self.module(modules, "wpe")
         self.module(modules, "drop", modal=True)
         ln_f = self.module(modules, "ln_f")
@@ -339,7 +379,8 @@ class _StepWatch:
             layers = [self.module(attn._modules, name) for name in ("c_attn", "c_proj")]
             layers += [self.module(mlp._modules, name) for name in ("c_fc", "c_proj")]
             self.setting(block, "pre_norm"), self.setting(attn, "scaling"), self.setting(mlp, "act")
-            self.setting(attn, "attention_interface")
+            for name in ("attention_interface", "config", "layer_idx", "num_heads", "head_dim"):
+                self.setting(attn, name)
             for norm in norms:
                 self.setting(norm, "eps")
                 self.tensor(norm, "weight"), self.tensor(norm, "bias")
@@ -349,6 +390,8 @@ class _StepWatch:
         if ln_f is not None:
             self.setting(ln_f, "eps")
             self.tensor(ln_f, "weight"), self.tensor(ln_f, "bias")
+        # (`param.data = ...` keeps the parameter and changes what it holds)
+        self.layouts = list(map(_layout, self.tensors))
 
     def module(self, registry: dict, name: str, modal: bool = False) -> Any:
         """Watch `registry[name]` (None where absent), its hooks, its instance `forward` and, where
@@ -381,7 +424,78 @@ class _StepWatch:
         return (
             # (in C loops: `registry.get(name) is value` for every entry)
             all(map(operator.is_, map(dict.get, self.registries, self.names), self.values))
+            and len(self.blocks[0]) == self.blocks[1]
+            and list(map(_layout, self.tensors)) == self.layouts
             and not any(self.hooks)
             and not any(attributes["training"] for attributes in self.modal)
             and not has_global_forward_hooks()
         )
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """Where and how `tensor` holds its values."""
+    return tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride(), tensor.device
+
+
+# --- the plain GPTBlock ---------------------------------------------------------------------------------
+
+for _owner, _name in (
+    (GPTBlock, "__call__"),
+    (GPTBlock, "forward"),
+    (GPTAttention, "forward"),
+    (GPTAttention, "attention_interface"),
+    (GPTMLP, "forward"),
+    (Conv1D, "forward"),
+):
+    watch_code(_owner, _name)
+
+
+def _float_block_computes(block: GPTBlock, width: int) -> bool:
+    """Whether `torch.ops.hfgpt.float_decode_step` computes what `block` (a plain `GPTBlock`) would for
+    hidden states of `width`: inference (no module training), Conv1D layers of float32 weights and biases
+    that need no gradient, affine layer norms of one epsilon, the tanh GELU, attention as the config names
+    it, and no hook or forward of a user's own on a module the step would not call."""
+    modules = block._modules
+    attn, mlp, ln_1, ln_2 = modules["attn"], modules["mlp"], modules["ln_1"], modules["ln_2"]
+    if type(attn) is not GPTAttention or type(mlp) is not GPTMLP:
+        return False
+    layers = (attn._modules["c_attn"], attn._modules["c_proj"], mlp._modules["c_fc"], mlp._modules["c_proj"])
+    if any(type(layer) is not Conv1D for layer in layers):
+        return False
+    dropouts = (attn._modules["resid_dropout"], mlp._modules["dropout"])
+    inner = layers[2].nf
+    shapes = ((width, 3 * width), (width, width), (width, inner), (inner, width))
+    norms = (*ln_1._parameters.values(), *ln_2._parameters.values())  # weight, bias (each or None)
+    tensors = [*norms, *(t for layer in layers for t in (layer.weight, layer.bias))]
+    return not (
+        block.training
+        or attn.training
+        or mlp.training
+        or any(type(d) is not nn.Dropout for d in dropouts)
+        or not all(
+            float32_vector(layer.weight, shape)
+            and layer.bias is not None
+            and float32_vector(layer.bias, shape[1:])
+            for layer, shape in zip(layers, shapes, strict=True)
+        )
+        or mlp.act is not modeling_hfgpt.gelu_tanh
+        or not (layer_norm_fits_kernel(ln_1, width) and layer_norm_fits_kernel(ln_2, width))
+        or ln_1.eps != ln_2.eps
+        or not plain_tensors(*tensors)
+        or needs_grad(*tensors)
+        or "attention_interface" in attn.__dict__
+        or any(has_forward_hooks(module) for module in (attn, mlp, ln_1, ln_2, *layers, *dropouts))
+        or not kernels.available("row_product")
+    )
+
+
+STEP_KINDS[GPTBlock] = StepKind(
+    layer_tensors=("weight", "bias"),
+    computes=_float_block_computes,
+    inner=lambda block: block.mlp.c_fc.nf,
+    step="float_decode_step",
+)
+
+# The functions the plain model's attention may call (`GPTAttention.attention_interface`) that the step
+# computes, by the implementation's name.
+_ATTENTION = {"sdpa": sdpa_attention_forward, "eager": modeling_hfgpt.eager_attention_forward}

@@ -4,12 +4,11 @@ Each kernel is a torch operator in the `hfgpt` namespace (`torch.ops.hfgpt.*`): 
 or, for those a decoding step calls many times, one defined with `torch.library.Library` (`_decoding_op`).
 Each has a fake implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and
 meta passes get shapes without running C, `make_fx` and `torch.compile` record the op, dispatch modes
-(FlopCounterMode, a profiler's timer) see it as one op of its own, and the GELU, the one kernel that is
-differentiable on its own, carries its gradient (`register_autograd`) and a batching rule (`register_vmap`).
-Only real CPU tensors reach the implementations here, which hand their data pointers to the C code loaded
+(FlopCounterMode, a profiler's timer) see it as one op of its own. None has a gradient: the backend runs
+them for inference only. Only real CPU tensors reach the implementations here, which hand their data pointers to the C code loaded
 by `hfgpt.cpu.native`.
 
-The callers in `hfgpt.cpu.ops` and `hfgpt.cpu.quantization` decide where a kernel stands in for torch's
+The callers in `hfgpt.cpu.products`, `hfgpt.cpu.decoding` and `hfgpt.cpu.quantization` decide where a kernel stands in for torch's
 ops (dtypes, strides, the CPU the library was built for: `available`); each implementation checks what the
 C code would misread and raises an error naming the argument.
 
@@ -26,9 +25,6 @@ import torch
 from torch import Tensor
 
 from . import native
-
-# Query rows at a time in the training attention kernel; `hfgpt.cpu.ops.ATTENTION_BAND` is the same number.
-ATTENTION_BAND = 64
 
 
 @torch.compiler.assume_constant_result
@@ -60,12 +56,6 @@ def _expect(op: str, dtype: torch.dtype, rows_contiguous: bool = True, **tensors
             raise ValueError(f"hfgpt::{op}: {name} must have contiguous rows (strides {t.stride()})")
 
 
-def _rows(t: Tensor) -> Tensor:
-    """`t` with contiguous rows (last stride 1), copied only where it has none: the dispatcher hands an
-    operator an expanded gradient, or a zero tensor as expanded zeros."""
-    return t if t.dim() == 0 or t.stride(-1) == 1 or t.numel() <= 1 else t.contiguous()
-
-
 def _contiguous(op: str, **tensors: Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_contiguous():
@@ -81,11 +71,6 @@ def _ok(status: int, op: str, what: str) -> None:
 
 def _pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _strides(t: Tensor) -> ctypes.Array:
-    """A (B, H, T, D) tensor's first three strides, as the attention kernel takes them."""
-    return (ctypes.c_int64 * 3)(*t.stride()[:3])
 
 
 def _pointers(tensors: list[Tensor]) -> ctypes.Array:
@@ -113,279 +98,6 @@ def _decoding_op(function: Callable | None = None, *, mutates_args: tuple[str, .
     operator = getattr(torch.ops.hfgpt, name).default
     operator.__doc__ = function.__doc__
     return operator
-
-
-# ---------------------------------------------------------------------------------------------- GELU
-
-
-@torch.library.custom_op("hfgpt::gelu_tanh", mutates_args=(), device_types="cpu")
-def gelu_tanh(x: Tensor) -> Tensor:
-    """`F.gelu(x, approximate="tanh")` of a contiguous float32 CPU tensor (csrc/gelu.c)."""
-    _expect("gelu_tanh", torch.float32, rows_contiguous=False, x=x)
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    status = _library("gelu").hfgpt_gelu_forward(
-        x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads()
-    )
-    _ok(status, "gelu_tanh", f"{x.numel()} elements")
-    return y
-
-
-@gelu_tanh.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-@_decoding_op(mutates_args=("x",))
-def gelu_tanh_(x: Tensor) -> None:
-    """`gelu_tanh` written over `x`, a contiguous float32 CPU tensor (csrc/gelu.c): the MLP's activation
-    in inference, where nothing else holds c_fc's output (`hfgpt.cpu.ops.IN_PLACE`)."""
-    _expect("gelu_tanh_", torch.float32, rows_contiguous=False, x=x)
-    _contiguous("gelu_tanh_", x=x)
-    status = _library("gelu").hfgpt_gelu_forward(
-        x.data_ptr(), x.data_ptr(), x.numel(), torch.get_num_threads()
-    )
-    _ok(status, "gelu_tanh_", f"{x.numel()} elements")
-
-
-@torch.library.register_fake("hfgpt::gelu_tanh_")
-def _(x: Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("hfgpt::gelu_tanh_backward", mutates_args=(), device_types="cpu")
-def gelu_tanh_backward(grad: Tensor, x: Tensor) -> Tensor:
-    """The gradient of `gelu_tanh` at `x` times `grad` (`aten.gelu_backward(grad, x, approximate="tanh")`)."""
-    _expect("gelu_tanh_backward", torch.float32, rows_contiguous=False, grad=grad, x=x)
-    if grad.shape != x.shape:
-        raise ValueError(f"hfgpt::gelu_tanh_backward: grad {tuple(grad.shape)} and x {tuple(x.shape)} differ")
-    grad, x = grad.contiguous(), x.contiguous()
-    out = torch.empty_like(x)
-    status = _library("gelu").hfgpt_gelu_backward(
-        x.data_ptr(), grad.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()
-    )
-    _ok(status, "gelu_tanh_backward", f"{x.numel()} elements")
-    return out
-
-
-@gelu_tanh_backward.register_fake
-def _(grad: Tensor, x: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-def _gelu_setup_context(ctx, inputs: tuple[Tensor], output: Tensor) -> None:  # noqa: ANN001
-    ctx.save_for_backward(inputs[0])
-
-
-def _gelu_backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
-    (x,) = ctx.saved_tensors
-    if torch.is_grad_enabled() or grad.dtype != torch.float32:  # create_graph=True: a differentiable op
-        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-    return gelu_tanh_backward(grad, x)
-
-
-gelu_tanh.register_autograd(_gelu_backward, setup_context=_gelu_setup_context)
-
-
-@gelu_tanh.register_vmap
-def _(info, in_dims: tuple[int | None], x: Tensor) -> tuple[Tensor, int | None]:  # noqa: ANN001
-    return gelu_tanh(x.contiguous()), in_dims[0]  # (element-wise: the batch dimension stays where it is)
-
-
-# ------------------------------------------------------------------------------------------- dropout
-
-
-@torch.library.custom_op("hfgpt::keep_mask", mutates_args=(), device_types="cpu")
-def keep_mask(shape: list[int], seed: Tensor, threshold: int) -> Tensor:
-    """A boolean tensor of `shape`: element i is kept (True) where the i-th 32 bits of SplitMix64 seeded by
-    the int64 `seed` are at least `threshold` (csrc/dropout.c; `hfgpt.cpu.ops.keep_mask`)."""
-    if seed.dtype != torch.int64 or seed.numel() != 1:
-        raise ValueError(
-            f"hfgpt::keep_mask: seed must be one int64, got {seed.dtype} of shape {tuple(seed.shape)}"
-        )
-    if not 0 <= threshold < 2**32:
-        raise ValueError(f"hfgpt::keep_mask: threshold {threshold} is not a 32-bit unsigned value")
-    keep = torch.empty(shape, dtype=torch.bool)
-    status = _library("dropout").hfgpt_keep_mask(
-        keep.data_ptr(), keep.numel(), seed.item() % 2**64, threshold, torch.get_num_threads()
-    )
-    _ok(status, "keep_mask", f"{keep.numel()} elements")
-    return keep
-
-
-@keep_mask.register_fake
-def _(shape: list[int], seed: Tensor, threshold: int) -> Tensor:
-    return torch.empty(shape, dtype=torch.bool, device=seed.device)
-
-
-# ----------------------------------------------------------------------------------------- attention
-
-
-def _attention_failed(op: str, status: int, length: int) -> None:
-    if status == 1:
-        raise MemoryError(f"hfgpt::{op}: no scratch memory for {length} positions")
-    _ok(status, op, f"{length} positions")
-
-
-def _expect_heads(op: str, query: Tensor, key: Tensor, value: Tensor) -> None:
-    _expect(op, torch.float32, rows_contiguous=False, query=query, key=key, value=value)
-    if query.dim() != 4 or query.shape[-1] != 64 or key.shape != value.shape or key.shape[-1] != 64:
-        raise ValueError(
-            f"hfgpt::{op}: needs (B, H, T, 64) queries, keys and values, got {tuple(query.shape)}, "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-
-
-@torch.library.custom_op("hfgpt::causal_attention", mutates_args=(), device_types="cpu")
-def causal_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-    """Causal self-attention without a mask of (B, H, T, 64) float32 heads, as a (B, T, H, 64) tensor
-    (csrc/attention.c, `hfgpt.cpu.ops.native_causal_attention`)."""
-    _expect_heads("causal_attention", query, key, value)
-    query, key, value = _rows(query), _rows(key), _rows(value)
-    if key.shape != query.shape:
-        raise ValueError(
-            f"hfgpt::causal_attention: keys {tuple(key.shape)} differ from queries {tuple(query.shape)}"
-        )
-    batch, heads, length, dim = query.shape
-    output = query.new_empty(batch, length, heads, dim)
-    status = _library("attention").hfgpt_causal_attention(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), batch, heads, length,
-        _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)), scaling,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    _attention_failed("causal_attention", status, length)
-    return output
-
-
-@causal_attention.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-    batch, heads, length, dim = query.shape
-    return query.new_empty(batch, length, heads, dim)
-
-
-@_decoding_op
-def decode_attention(
-    query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, scaling: float
-) -> Tensor:
-    """One query position of (B, H, 1, 64) float32 heads against (B, H, T, 64) keys and values, with an
-    optional boolean (B or 1, 1, 1, T) key mask (True = attend), as a (B, 1, H, 64) tensor
-    (csrc/attention.c, `hfgpt.cpu.ops.native_decode_attention`)."""
-    _expect_heads("decode_attention", query, key, value)
-    query, key, value = _rows(query), _rows(key), _rows(value)
-    batch, heads, new, dim = query.shape
-    keys = key.shape[-2]
-    if new != 1 or key.shape[:2] != (batch, heads):
-        raise ValueError(
-            f"hfgpt::decode_attention: query {tuple(query.shape)} against keys {tuple(key.shape)}"
-        )
-    if key_mask is not None:
-        _expect("decode_attention", torch.bool, rows_contiguous=False, key_mask=key_mask)
-        if key_mask.dim() != 4 or key_mask.shape[0] not in (1, batch) or key_mask.shape[1:] != (1, 1, keys):
-            raise ValueError(
-                f"hfgpt::decode_attention: key_mask of shape {tuple(key_mask.shape)} for {keys} keys"
-            )
-        key_mask = _rows(key_mask)
-    mask_stride = 0 if key_mask is None or key_mask.shape[0] == 1 else key_mask.stride(0)
-    output = query.new_empty(batch, 1, heads, dim)
-    status = _library("attention").hfgpt_attention_decode(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), output.data_ptr(), _pointer(key_mask), mask_stride,
-        batch, heads, keys, _strides(query), _strides(key), _strides(value), _strides(output.transpose(1, 2)),
-        scaling, torch.get_num_threads(),
-    )  # fmt: skip
-    _attention_failed("decode_attention", status, keys)
-    return output
-
-
-@torch.library.register_fake("hfgpt::decode_attention")
-def _(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, scaling: float) -> Tensor:
-    batch, heads, _, dim = query.shape
-    return query.new_empty(batch, 1, heads, dim)
-
-
-def _expect_bands(op: str, query: Tensor, keeps: list[Tensor], probs: list[Tensor]) -> None:
-    """Each band's keep mask and probabilities: (B*H, rows, keys up to the band's last row), contiguous."""
-    batch, heads, length, _ = query.shape
-    bands = -(-length // ATTENTION_BAND)
-    if len(keeps) != bands or len(probs) != bands:
-        raise ValueError(f"hfgpt::{op}: {length} positions take {bands} bands, got {len(keeps)} keep masks")
-    for band, (keep, prob) in enumerate(zip(keeps, probs, strict=True)):
-        stop = min((band + 1) * ATTENTION_BAND, length)
-        shape = (batch * heads, stop - band * ATTENTION_BAND, stop)
-        if tuple(keep.shape) != shape or tuple(prob.shape) != shape:
-            raise ValueError(f"hfgpt::{op}: band {band} needs {shape} keep and probabilities tensors")
-        _expect(op, torch.bool, keep=keep)
-        _expect(op, torch.float32, probabilities=prob)
-        _contiguous(op, keep=keep, probabilities=prob)
-
-
-@torch.library.custom_op("hfgpt::attention_train_forward", mutates_args=("probs",), device_types="cpu")
-def attention_train_forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    keeps: list[Tensor],
-    probs: list[Tensor],
-    scaling: float,
-    p: float,
-) -> Tensor:
-    """Causal attention with dropout of (B, H, T, 64) float32 heads as a (B, T, H, 64) tensor, band by band:
-    each band's softmax probabilities are written into `probs`, its dropout applied with `keeps`
-    (csrc/attention.c; `hfgpt.cpu.ops._BandedDropoutAttention`)."""
-    _expect_heads("attention_train_forward", query, key, value)
-    query, key, value = _rows(query), _rows(key), _rows(value)
-    _expect_bands("attention_train_forward", query, keeps, probs)
-    batch, heads, length, dim = query.shape
-    out = query.new_empty(batch, length, heads, dim)
-    status = _library("attention").hfgpt_attention_train_forward(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), batch, heads, length,
-        _strides(query), _strides(key), _strides(value), _strides(out.transpose(1, 2)), scaling,
-        _pointers(keeps), _pointers(probs), ATTENTION_BAND, 1.0 / (1.0 - p), torch.get_num_threads(),
-    )  # fmt: skip
-    _attention_failed("attention_train_forward", status, length)
-    return out
-
-
-@attention_train_forward.register_fake
-def _(query: Tensor, *_: object) -> Tensor:
-    batch, heads, length, dim = query.shape
-    return query.new_empty(batch, length, heads, dim)
-
-
-@torch.library.custom_op("hfgpt::attention_train_backward", mutates_args=(), device_types="cpu")
-def attention_train_backward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    grad_out: Tensor,
-    keeps: list[Tensor],
-    probs: list[Tensor],
-    scaling: float,
-    p: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The query, key and value gradients of `attention_train_forward` for the (B, T, H, 64) gradient
-    `grad_out` of its output, from the saved probabilities and keep masks."""
-    _expect_heads("attention_train_backward", query, key, value)
-    query, key, value = _rows(query), _rows(key), _rows(value)
-    _expect_bands("attention_train_backward", query, keeps, probs)
-    _expect("attention_train_backward", torch.float32, rows_contiguous=False, grad_out=grad_out)
-    grad_out = _rows(grad_out)
-    batch, heads, length, dim = query.shape
-    if tuple(grad_out.shape) != (batch, length, heads, dim):
-        raise ValueError(f"hfgpt::attention_train_backward: grad_out of shape {tuple(grad_out.shape)}")
-    grads = [query.new_empty(batch, heads, length, dim) for _ in range(3)]
-    status = _library("attention").hfgpt_attention_train_backward(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), grad_out.data_ptr(), *(g.data_ptr() for g in grads),
-        batch, heads, length, _strides(query), _strides(key), _strides(value), _strides(grad_out.transpose(1, 2)),
-        *(_strides(g) for g in grads), scaling, _pointers(keeps), _pointers(probs),
-        ATTENTION_BAND, 1.0 / (1.0 - p), torch.get_num_threads(),
-    )  # fmt: skip
-    _attention_failed("attention_train_backward", status, length)
-    return grads[0], grads[1], grads[2]
-
-
-@attention_train_backward.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, *_: object) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 # -------------------------------------------------------------------------------- one-row products
@@ -420,27 +132,6 @@ def _(x: Tensor, weight: Tensor, parts: int) -> Tensor:
 
 
 @_decoding_op
-def row_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
-    """`x @ weight + bias` for one float32 row `x` (1, in) and a Conv1D `[in, out]` weight, each of `parts`
-    threads summing a block of the weight's rows (csrc/row_product.c)."""
-    _expect_row("row_conv1d", torch.float32, x, weight, bias)
-    width, out = weight.shape
-    if x.shape[1] != width or (bias is not None and bias.numel() != out):
-        raise ValueError(f"hfgpt::row_conv1d: x {tuple(x.shape)} against a {width} x {out} weight")
-    y, scratch = x.new_empty(1, out), x.new_empty(parts * out)
-    status = _library("row_product").hfgpt_row_conv1d(
-        x.data_ptr(), weight.data_ptr(), width, out, _pointer(bias), y.data_ptr(), scratch.data_ptr(), parts
-    )
-    _ok(status, "row_conv1d", f"a {width} x {out} weight")
-    return y
-
-
-@torch.library.register_fake("hfgpt::row_conv1d")
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
-    return x.new_empty(1, weight.shape[1])
-
-
-@_decoding_op
 def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a bfloat16 `[out, in]` weight, summed
     in float32 and rounded once (csrc/row_product.c)."""
@@ -459,57 +150,6 @@ def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 @torch.library.register_fake("hfgpt::row_product_bf16")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(1, weight.shape[0])
-
-
-# ---------------------------------------------------------------------------------------- LM loss
-
-
-@torch.library.custom_op("hfgpt::lse_block", mutates_args=("out", "peak", "total"), device_types="cpu")
-def lse_block(part: Tensor, out: Tensor, peak: Tensor, total: Tensor) -> None:
-    """One block of columns of the logits: copies `part` (N, C) into `out` (N, C, any row stride) and adds
-    its exponentials to each row's running sum `total` (float64, N) against the running maximum `peak`
-    (float32, N), rescaling the earlier sums (csrc/loss.c; `hfgpt.cpu.ops.blockwise_logits_and_lse`)."""
-    _expect("lse_block", torch.float32, part=part, out=out, peak=peak)
-    _expect("lse_block", torch.float64, total=total)
-    _contiguous("lse_block", peak=peak, total=total)
-    rows, cols = part.shape
-    if tuple(out.shape) != (rows, cols) or peak.shape != (rows,) or total.shape != (rows,):
-        raise ValueError(f"hfgpt::lse_block: a ({rows}, {cols}) block into out {tuple(out.shape)}")
-    status = _library("loss").hfgpt_lse_block(
-        part.data_ptr(), part.stride(0), out.data_ptr(), out.stride(0), rows, cols,
-        peak.data_ptr(), total.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    _ok(status, "lse_block", f"a ({rows}, {cols}) block")
-
-
-@lse_block.register_fake
-def _(part: Tensor, out: Tensor, peak: Tensor, total: Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("hfgpt::softmax_grad", mutates_args=("grad",), device_types="cpu")
-def softmax_grad(
-    logits: Tensor, lse: Tensor, row_scale: Tensor, targets: Tensor, start: int, grad: Tensor
-) -> None:
-    """The cross-entropy gradient of a slice of columns starting at `start`: `grad` (N, C) =
-    (softmax(logits) - onehot(targets)) * row_scale, from the logits' slice (N, C, any row stride) and each
-    row's log-sum-exp `lse` (N) (csrc/loss.c; `hfgpt.cpu.ops._LinearCrossEntropy`)."""
-    _expect("softmax_grad", torch.float32, logits=logits, lse=lse, row_scale=row_scale, grad=grad)
-    _expect("softmax_grad", torch.int64, targets=targets)
-    _contiguous("softmax_grad", lse=lse, row_scale=row_scale, targets=targets)
-    rows, cols = logits.shape
-    if tuple(grad.shape) != (rows, cols) or not lse.numel() == row_scale.numel() == targets.numel() == rows:
-        raise ValueError(f"hfgpt::softmax_grad: a ({rows}, {cols}) slice into grad {tuple(grad.shape)}")
-    status = _library("loss").hfgpt_softmax_grad(
-        logits.data_ptr(), logits.stride(0), lse.data_ptr(), row_scale.data_ptr(), targets.data_ptr(), start,
-        rows, cols, grad.data_ptr(), grad.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
-    _ok(status, "softmax_grad", f"a ({rows}, {cols}) slice")
-
-
-@softmax_grad.register_fake
-def _(logits: Tensor, lse: Tensor, row_scale: Tensor, targets: Tensor, start: int, grad: Tensor) -> None:
-    return None
 
 
 # ------------------------------------------------------------------------------------ int8 decoding

@@ -92,56 +92,12 @@ SIGNATURES = {
         # (`_DECODE_STEP`)
         "hfgpt_int8_decode_step": _DECODE_STEP,
     },
-    "attention": {
-        # q, k, v, out, B, H, T, q strides, k strides, v strides, out strides, scale, threads
-        "hfgpt_causal_attention": (
-            ctypes.c_int,
-            [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, ctypes.c_float, ctypes.c_int],
-        ),
-        # ... as above, then keep and probs (arrays of band pointers), band, 1 / (1 - p), threads
-        "hfgpt_attention_train_forward": (
-            ctypes.c_int,
-            [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, ctypes.c_float, _P, _P, _I64, ctypes.c_float]
-            + [ctypes.c_int],
-        ),
-        # q, k, v, dout, dq, dk, dv, B, H, T, their 7 stride arrays, scale, keep, probs, band, 1 / (1 - p), threads
-        "hfgpt_attention_train_backward": (
-            ctypes.c_int,
-            [_P] * 7 + [_I64] * 3 + [_P] * 7 + [ctypes.c_float, _P, _P, _I64, ctypes.c_float, ctypes.c_int],
-        ),
-        # q, k, v, out, mask, mask stride, B, H, T, q strides, k strides, v strides, out strides, scale, threads
-        "hfgpt_attention_decode": (
-            ctypes.c_int,
-            [_P] * 5 + [_I64] * 4 + [_P] * 4 + [ctypes.c_float, ctypes.c_int],
-        ),
-    },
-    "gelu": {
-        # x, y, n, threads
-        "hfgpt_gelu_forward": (ctypes.c_int, [_P, _P, _I64, ctypes.c_int]),
-        # x, grad y, grad x, n, threads
-        "hfgpt_gelu_backward": (ctypes.c_int, [_P, _P, _P, _I64, ctypes.c_int]),
-    },
-    "loss": {
-        # part, its row stride, out, its row stride, rows, cols, peak, total, threads
-        "hfgpt_lse_block": (ctypes.c_int, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, ctypes.c_int]),
-        # logits, their row stride, lse, scale, targets, start, rows, cols, grad, its row stride, threads
-        "hfgpt_softmax_grad": (
-            ctypes.c_int,
-            [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, ctypes.c_int],
-        ),
-    },
     "row_product": {
         # x, w, out, in, bias, y, threads (bfloat16 x, w, bias and y)
         "hfgpt_row_product_bf16": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
         # x, w, out, in, bias, y, threads
         "hfgpt_row_product": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
-        # x, w, in, out, bias, y, scratch, threads
-        "hfgpt_row_conv1d": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, _P, ctypes.c_int]),
         "hfgpt_float_decode_step": _DECODE_STEP,
-    },
-    "dropout": {
-        # keep, n, seed, threshold, threads
-        "hfgpt_keep_mask": (ctypes.c_int, [_P, _I64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]),
     },
 }
 

@@ -8,8 +8,8 @@ agreement) beside float32.
 """
 
 import copy
+import functools
 from collections.abc import Callable
-from types import MethodType
 from typing import Any, NoReturn
 
 import torch
@@ -17,71 +17,41 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTModel, GPTPreTrainedModel
+from hfgpt.modeling.modeling_hfgpt import GPTBlock, GPTPreTrainedModel
 from hfgpt.modeling.modeling_hfgpt import gelu_tanh as plain_gelu_tanh
 
 from . import kernels
-from .decoding import STEP_KINDS, StepKind, one_call_forward
-from .huge_pages import gather_into_huge_pages
-from .ops import (
-    FEW_ROWS,
-    fast_product_applies,
-    few_rows_product,
+from .backend import kernelize
+from .checks import (
     float32_vector,
-    gelu_tanh,
     has_forward_hooks,
     has_storage,
     layer_norm_fits_kernel,
     needs_grad,
-    one_row_bfloat16,
-    onednn_bfloat16_runs,
-    onednn_mm,
-    onednn_runs_here,
     plain_tensors,
 )
+from .decoding import STEP_KINDS, StepKind, watch_code
+from .huge_pages import gather_into_huge_pages
+from .products import few_rows_applies, few_rows_product, one_row_bfloat16
 
 
 class DecodingLinear(nn.Linear):
-    """`nn.Linear` with faster CPU products for inference.
-
-    - float32, 1-`FEW_ROWS` rows (a decoding step): `few_rows_product`, as `project_to_vocab` computes the
-      LM head: MKL's one-row kernel for `F.linear`, and Conv1D's `addmm`, read the weight more slowly
-      (benchmarks/RESULTS.md); one row split between the threads (`one_row_product`).
-    - bfloat16 without gradients: at one row, hfgpt's C kernel (`one_row_bfloat16`); at more rows, or
-      without a C compiler, oneDNN's linear op where it takes bfloat16 (`_bfloat16_onednn_applies`: a
-      CPU with AVX-512), which reads GPT-2's weights at one row faster than `F.linear`'s bfloat16 path,
-      the LM head included, with the same values (GPT-2 logits equal, greedy tokens equal).
-    """
+    """`nn.Linear` with faster CPU products for a decoding step's few rows: float32 as
+    `hfgpt.cpu.products.few_rows_product`, one bfloat16 row on hfgpt's C kernel (`one_row_bfloat16`);
+    `F.linear` everywhere else."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (
-            rows == 1
-            and x.dtype == torch.bfloat16  # (float32 copies skip the call on every layer of every step)
-            and (out := one_row_bfloat16(x.reshape(1, -1), self.weight, self.bias)) is not None
-        ):
-            return out.view(*x.shape[:-1], -1)
-        if rows > 0 and _bfloat16_onednn_applies(x, self.weight, self.bias):
-            out = onednn_mm(x.reshape(rows, -1), self.weight, self.bias)
-            return out.view(*x.shape[:-1], -1)
-        if not (0 < rows <= FEW_ROWS and fast_product_applies(x, self.weight)):
+        rows = x.reshape(-1, x.shape[-1]) if x.numel() else x
+        if x.dtype == torch.bfloat16 and len(rows) == 1 and x.numel():
+            out = one_row_bfloat16(rows, self.weight, self.bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], -1)
+        if x.dtype != torch.float32 or not x.numel() or not few_rows_applies(rows, self.weight):
             return F.linear(x, self.weight, self.bias)
-        out = few_rows_product(x.reshape(rows, -1), self.weight)
+        out = few_rows_product(rows, self.weight)
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], -1)
-
-
-def _bfloat16_onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """bfloat16 tensors without gradients, where `onednn_runs_here` (which `use_onednn_products(False)` and
-    `torch.backends.mkldnn.flags(enabled=False)` turn off)."""
-    return (
-        onednn_runs_here(x)
-        and x.dtype == weight.dtype == torch.bfloat16
-        and onednn_bfloat16_runs()
-        and (bias is None or bias.dtype == torch.bfloat16)
-        and not needs_grad(x, weight, *([] if bias is None else [bias]))
-    )
 
 
 # The int8 kernel's constants (cpu/csrc/int8_linear.c).
@@ -301,7 +271,7 @@ class Int8Block(GPTBlock):
             or type(c_fc) is not Int8Linear
             or type(mlp_proj) is not Int8Linear
             or c_attn.in_features != width
-            or mlp.act not in (gelu_tanh, plain_gelu_tanh)
+            or mlp.act is not plain_gelu_tanh
             or not (layer_norm_fits_kernel(ln_1, width) and layer_norm_fits_kernel(ln_2, width))
             or ln_1.eps != ln_2.eps
             or not all(layer.buffers_fit_kernel() for layer in (c_attn, c_proj, c_fc, mlp_proj))
@@ -371,6 +341,8 @@ STEP_KINDS[Int8Block] = StepKind(
     inner=lambda block: block.mlp.c_fc.out_features,
     step="int8_decode_step",
 )
+watch_code(Int8Block, "forward")
+watch_code(Int8Linear, "forward")
 
 
 def _replace_layers(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> None:
@@ -395,9 +367,6 @@ def _to_int8(model: nn.Module) -> None:
 
     _replace_layers(model, convert)
     _replace_layers(model, lambda child: Int8Block.of(child) if type(child) is GPTBlock else None)
-    for module in model.modules():
-        if type(module) is GPTModel:
-            module.forward = MethodType(one_call_forward, module)
 
 
 def _conv1d_to_linear(model: nn.Module, cls: type[nn.Linear] = nn.Linear) -> None:
@@ -449,11 +418,8 @@ def _decoding_copy_message(action: str, dtype: torch.dtype) -> str:
     )
 
 
-def _refuse(action: str, dtype: torch.dtype) -> Callable[..., NoReturn]:
-    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
-        raise ValueError(_decoding_copy_message(action, dtype))
-
-    return refuse
+def _refuse(action: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> NoReturn:
+    raise ValueError(_decoding_copy_message(action, dtype))
 
 
 def _mark_decoding_copy(model: GPTPreTrainedModel, dtype: torch.dtype) -> GPTPreTrainedModel:
@@ -461,7 +427,7 @@ def _mark_decoding_copy(model: GPTPreTrainedModel, dtype: torch.dtype) -> GPTPre
     of the copy keeps) so that they refuse, naming what to save instead."""
     setattr(model, DECODING_COPY_ATTRIBUTE, dtype)
     for action in ("save_pretrained", "push_to_hub"):
-        setattr(model, action, _refuse(action, dtype))
+        setattr(model, action, functools.partial(_refuse, action, dtype))  # (a partial pickles)
     return model
 
 
@@ -479,9 +445,9 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
       lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
       attention wherever nothing (a hook, training, gradients) needs the block's modules called, and a
       decoding step of the whole model runs in one C call (`hfgpt.cpu.decoding`).
-    - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear` (its
-      products through oneDNN's linear op where it takes bfloat16; at one row on hfgpt's C kernel,
-      `one_row_bfloat16`, which decodes markedly faster than oneDNN's op with the same tokens).
+    - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear` (at
+      one row on hfgpt's C kernel, `one_row_bfloat16`, which decodes markedly faster than torch's bfloat16
+      product).
       For one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's
       `[in, out]`, which a plain `model.to(torch.bfloat16)` would keep.
     Its weights then share one mapping advised into transparent huge pages (`huge_pages`, Linux), which
@@ -505,7 +471,7 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
         _head_to_decoding_linear(model)
         model = model.to(torch.bfloat16)
     gather_into_huge_pages(model)
-    return _mark_decoding_copy(model, dtype)
+    return _mark_decoding_copy(kernelize(model), dtype)
 
 
 __all__ = [

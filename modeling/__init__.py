@@ -36,10 +36,11 @@ for _auto, _model in (
 # AutoTokenizer: GPT-2 folders use transformers' own GPT2Tokenizer, GPT-1 folders hfgpt's GPT1Tokenizer.
 _register_tokenizers(GPTConfig)
 
-# The CPU backend (hfgpt.cpu) kernelizes each model as it is built, unless HFGPT_CPU_BACKEND=0.
-from hfgpt.cpu.layers import install_by_default  # noqa: E402  (after the models it imports)
+# The CPU backend (hfgpt.cpu) runs the causal LMs' decoding steps in C, unless HFGPT_CPU_BACKEND=0.
+from hfgpt.cpu.backend import enabled_by_default, install  # noqa: E402  (after the models it imports)
 
-install_by_default()
+if enabled_by_default():
+    install()
 
 __all__ = [
     "PRESETS",

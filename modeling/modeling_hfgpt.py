@@ -7,8 +7,7 @@ base model, then the heads. Module names equal the keys of OpenAI's GPT-2 releas
 
 This file says what GPT-1 and GPT-2 compute, with public torch and transformers APIs only: it is copied
 next to every checkpoint (with `configuration_hfgpt.py`) for `trust_remote_code=True` users, and runs the
-same on any device. Faster CPU layers plug in from outside (`hfgpt.cpu`) through `post_init_hooks`, the
-attention registry and a `Cache`; this file never imports them.
+same on any device. hfgpt's CPU backend (`hfgpt.cpu`) plugs in from outside; this file never imports it.
 """
 
 import contextlib
@@ -20,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -451,19 +450,6 @@ class GPTPreTrainedModel(PreTrainedModel):
     }
     # Causal-mask buffers of older GPT-2 / OpenAIGPT checkpoints; masks are built on the fly here.
     _keys_to_ignore_on_load_unexpected = [r"\.attn\.bias$", r"\.attn\.masked_bias$"]
-    # Called with every new model at the end of `post_init`: the seam through which an installed backend
-    # (hfgpt's CPU layers, `hfgpt.cpu.kernelize`) swaps in faster layers. A checkpoint's copy of this file
-    # has none registered, so it computes exactly what is written here.
-    post_init_hooks: ClassVar[list[Callable[[nn.Module], None]]] = []
-    # Forward methods such a backend swaps into the LM head (an `nn.Linear`) that compute what
-    # `nn.Linear.forward` computes. The fused training loss reads the head's weight itself, so it still applies
-    # to a head swapped this way: a model built on the CPU keeps the CPU backend's head when moved to a GPU.
-    linear_head_forwards: ClassVar[set[Callable[..., torch.Tensor]]] = set()
-
-    def post_init(self) -> None:
-        super().post_init()
-        for hook in GPTPreTrainedModel.post_init_hooks:
-            hook(self)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -867,10 +853,9 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
     def _fused_loss_applies(self, hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> bool:
         """Whether the loss runs through `linear_cross_entropy`: in training (train mode, gradients on), with
         transformers' own loss function and every position's logits asked for, and a plain bias-free head
-        (not one whose forward a user or accelerate's offloading replaced, unless by one of
-        `linear_head_forwards`, nor one whose weight is offloaded)."""
+        (not one whose forward a user or accelerate's offloading replaced, nor one whose weight is
+        offloaded)."""
         head = self.lm_head
-        swapped = head.__dict__.get("forward")
         return (
             self.training
             and torch.is_grad_enabled()
@@ -879,7 +864,7 @@ class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
             and logits_to_keep == 0
             and type(head) is nn.Linear
             and head.bias is None
-            and (swapped is None or getattr(swapped, "__func__", None) in self.linear_head_forwards)
+            and "forward" not in head.__dict__
             and not head.weight.is_meta
         )
 

@@ -152,64 +152,31 @@ def keep_freed_memory_calls(monkeypatch) -> list[bool]:
     return calls
 
 
-@pytest.fixture(autouse=True)
-def cpu_products_setting_restored():
-    """Every test leaves `use_onednn_products` as it found it: a leaked False would run every later test
-    in the process on MKL alone (one did, until session 8)."""
-    from hfgpt.cpu import ops as ops_hfgpt
-
-    before = dict(ops_hfgpt._cpu_products)
-    yield
-    assert ops_hfgpt._cpu_products == before, "the test left use_onednn_products changed"
-
-
-@pytest.fixture(params=["onednn", "mkl"])
-def cpu_products(request):
-    """Runs a test with hfgpt's float32 CPU products through oneDNN at every size
-    (`use_onednn_products(True)`; the default runs them there only where oneDNN is the faster on the CPU)
-    and through MKL's `addmm` (`use_onednn_products(False)`); the oneDNN case is skipped on a torch built
-    without oneDNN."""
-    from hfgpt.cpu import ops as ops_hfgpt
-
-    if request.param == "onednn" and ops_hfgpt._ONEDNN_LINEAR is None:
-        pytest.skip("this torch build has no oneDNN")
-    with ops_hfgpt.onednn_products(request.param == "onednn"):
-        yield request.param
-
-
-# The test modules of hfgpt.cpu itself: their models are built kernelized even where the environment
-# switches the backend's default off (HFGPT_CPU_BACKEND=0), so that the whole suite runs either way:
-# the other modules then test the plain model, these the backend through explicit kernelization.
+# The test modules of hfgpt.cpu itself: their models run the backend even where the environment switches its
+# default off (HFGPT_CPU_BACKEND=0), so that the whole suite runs either way: the other modules then test
+# the plain model, these the backend.
 BACKEND_TEST_MODULES = {
-    "test_attention_kernel",
     "test_backend",
     "test_benchmarks",
-    "test_dropout_kernel",
-    "test_gelu_kernel",
+    "test_fidelity",
+    "test_float_step",
     "test_huge_pages",
     "test_int8_block",
     "test_int8_kernel",
+    "test_int8_step",
     "test_kernel_misuse",
-    "test_loss_kernel",
-    "test_onednn_products",
-    "test_performance",
+    "test_native_cache",
     "test_quantization",
     "test_row_product_kernel",
 }
 
 
 @pytest.fixture(autouse=True)
-def backend_for_backend_tests(request):
-    from hfgpt.cpu import layers
-    from hfgpt.modeling import GPTPreTrainedModel
+def backend_for_backend_tests(request, monkeypatch):
+    from hfgpt.cpu import backend
 
-    hooks = GPTPreTrainedModel.post_init_hooks
     module = request.module.__name__.rpartition(".")[2]
-    if module not in BACKEND_TEST_MODULES or layers._kernelize_new_model in hooks:
-        yield
-        return
-    hooks.append(layers._kernelize_new_model)
-    try:
-        yield
-    finally:
-        hooks.remove(layers._kernelize_new_model)
+    if module in BACKEND_TEST_MODULES:
+        backend.install()
+        monkeypatch.setattr(backend, "_DEFAULT", True)
+    yield

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_modeling import Logits  # tests/ is on sys.path
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from hfgpt.cpu import ops, runtime
 from hfgpt.cpu.huge_pages import HUGE_PAGE, gather_into_huge_pages, huge_page_buffer
 from hfgpt.cpu.quantization import Int8Linear, quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
@@ -116,65 +113,3 @@ def test_decoding_copies_stream_from_one_advised_mapping(dtype):
         assert huge_page_bytes_at(first) > 0
     # The model it was made from keeps its own memory.
     assert all(p.untyped_storage().data_ptr() != first for p in model.parameters())
-
-
-def test_logits_from_32_mib_on_are_written_into_huge_pages():
-    """`row_aligned_mm` (the LM head of a prefill on MKL) writes logits of `HUGE_PAGES_FROM` bytes or more
-    into an advised mapping, padded rows included, with `torch.mm`'s values; smaller ones into torch's
-    memory."""
-    hidden = torch.randn(128, 32, generator=torch.Generator().manual_seed(0))
-    weight = torch.randn(65536, 32, generator=torch.Generator().manual_seed(1))
-    assert ops.HUGE_PAGES_FROM == 128 * 65536 * 4
-    with torch.no_grad(), ops.onednn_products(False):  # (the MKL path, which pads the rows)
-        for rows, huge in ((128, True), (127, False)):
-            logits = ops.row_aligned_mm(hidden[:rows], weight)
-            torch.testing.assert_close(logits, hidden[:rows] @ weight.T, atol=0, rtol=0)
-            assert logits.shape == (rows, 65536) and logits.stride() == (65536, 1)
-            assert (logits.data_ptr() % HUGE_PAGE == 0) == huge
-            if huge and thp_for_advised_memory():
-                assert huge_page_bytes_at(logits.data_ptr()) == 16 * HUGE_PAGE
-
-
-def test_large_empty_keeps_the_dtype_and_shape_asked_for():
-    like = torch.zeros((), dtype=torch.bfloat16)
-    tensor = ops.large_empty(4096, 4096, like)  # 32 MiB of bfloat16
-    assert tensor.dtype == torch.bfloat16 and tensor.shape == (4096, 4096) and tensor.is_contiguous()
-    assert tensor.data_ptr() % HUGE_PAGE == 0
-    tensor.fill_(1.5)
-    assert tensor.float().sum().item() == 1.5 * 4096 * 4096
-    assert ops.large_empty(3, 5, like).shape == (3, 5)
-
-
-def test_large_empty_leaves_kept_heap_memory_and_fake_tensors_to_torch(monkeypatch):
-    """After `keep_freed_memory()` malloc's heap serves large blocks already faulted in, and a fake tensor
-    (a shape-only pass) has no memory to map: both get `new_empty`."""
-    mapped = []
-    monkeypatch.setattr(
-        ops, "huge_page_buffer", lambda nbytes: mapped.append(nbytes) or huge_page_buffer(nbytes)
-    )
-    like = torch.zeros(())
-    ops.large_empty(2048, 4096, like)
-    assert mapped == [ops.HUGE_PAGES_FROM]
-    monkeypatch.setattr(runtime, "_kept", True)
-    assert ops.large_empty(2048, 4096, like).shape == (2048, 4096)
-    monkeypatch.setattr(runtime, "_kept", False)
-    with FakeTensorMode() as mode:
-        fake = ops.large_empty(2048, 4096, mode.from_tensor(like))
-    assert isinstance(fake, FakeTensor) and fake.shape == (2048, 4096)
-    assert mapped == [ops.HUGE_PAGES_FROM]
-
-
-def test_a_traced_model_writes_fresh_logits_on_every_call():
-    """Under `torch.jit.trace` the logits come from torch's memory (`new_empty`), which the trace records as
-    an op: a huge-page buffer would be kept as a constant, and every call of the traced model would
-    overwrite the logits the last one returned."""
-    torch.manual_seed(0)
-    model = GPTForCausalLM(tiny_config(vocab_size=65536, n_positions=128, n_embd=32, n_head=1)).eval()
-    ids = torch.randint(0, 65536, (1, 128))
-    with torch.no_grad(), ops.onednn_products(False):  # (the MKL path: 128 x 65536 logits, 32 MiB)
-        traced = torch.jit.trace(Logits(model), ids, check_trace=False)
-        first = traced(ids)
-        expected = first.clone()
-        traced(torch.randint(0, 65536, (1, 128)))
-        torch.testing.assert_close(first, expected, atol=0, rtol=0)
-        torch.testing.assert_close(first, model(ids).logits, atol=1e-6, rtol=1e-5)

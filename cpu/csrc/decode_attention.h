@@ -1,5 +1,5 @@
-/* One decoding step of one attention head, shared by attention.c (`hfgpt_attention_decode`) and
- * int8_linear.c (`hfgpt_int8_decode_step`), so that both compute the same numbers. cpu/native.py's build
+/* One decoding step of one attention head, for the whole-step kernels of decode_step.h (float32 and int8
+ * models alike), so that both compute the same numbers. cpu/native.py's build
  * hashes this header with each source. Heads of HEAD_SIZE (64) floats: every GPT-1 and GPT-2 size. */
 #ifndef HFGPT_DECODE_ATTENTION_H
 #define HFGPT_DECODE_ATTENTION_H

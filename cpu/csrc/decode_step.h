@@ -109,7 +109,7 @@ static void block_tail(const float *attn, const float *h, float *y, int64_t rows
 /* ---------------------------------------------------------------------------------------------------
  * One decoding step of a whole model: the embeddings, every block as above (`norm_linear`, the attention,
  * `block_tail`) and the final layer norm, for `rows` sequences of one new token each. The attention is
- * decode_attention.h's `head_decode`, as attention.c's `hfgpt_attention_decode` computes it, on each
+ * decode_attention.h's `head_decode`, on each
  * layer's cache, into which the step writes the new keys and values. One parallel region for the whole
  * step, instead of a call into C or torch for each part of each block with Python between them, whose
  * overhead at one row was a sizeable share of a step.

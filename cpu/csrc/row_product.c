@@ -3,15 +3,12 @@
  * are read from memory.
  *
  * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by `one_row_product`
- * (an `[out, in]` weight: nn.Linear, the LM head) and `one_row_conv1d` (a Conv1D `[in, out]` weight: the
- * model's own layers, through `hfgpt.cpu.layers.conv1d_forward`) in cpu/ops.py, which split torch's
- * products between the threads wherever this does not apply; and, at the end of this file, a whole
- * decoding step of a float32 model (`hfgpt_float_decode_step`).
+ * in cpu/products.py (an `[out, in]` weight: the LM head of a decoding step, a decoding copy's layers) and,
+ * at the end of this file, for a whole decoding step of a float32 model (`hfgpt_float_decode_step`).
  *
  * `[out, in]`: each thread takes a contiguous run of the weight's rows, one dot product a row with four
- * accumulators, so that it reads one sequential stream. `[in, out]`: each thread takes a contiguous run
- * of the weight's rows too, adding x[i] w[i, :] into a partial sum of its own (in cache) eight rows at a
- * time; the partial sums and the bias are then added. The sums run in another order than MKL's: equal to
+ * accumulators, so that it reads one sequential stream. `[in, out]` (a Conv1D weight, in the step): each
+ * thread takes whole vectors of output columns and adds x[i] w[i, :] eight rows at a time (`add_rows`). The sums run in another order than MKL's: equal to
  * float rounding. One portable source (vector_math.h's vectors, as wide as the host's: AVX2, AVX-512,
  * NEON).
  *
@@ -88,32 +85,6 @@ static void add_rows(const float *x, const float *w, int64_t ld, int64_t out, in
         for (int64_t c = 0; c < out; c += LANES)
             vstore_first(acc + c, vload_first(p + c, out - c) * x[i] + vload_first(acc + c, out - c), out - c);
     }
-}
-
-/* y = x @ w (+ bias) for w contiguous, in x out; scratch: threads x out floats. */
-int hfgpt_row_conv1d(const float *x, const float *w, int64_t in, int64_t out, const float *bias, float *y,
-                     float *scratch, int threads)
-{
-    if (out < 0 || in < 0 || threads < 1)
-        return 2;
-#pragma omp parallel num_threads(threads) if (out * in >= PARALLEL_FROM)
-    {
-        const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t per = ((in + team - 1) / team + 7) / 8 * 8; /* whole groups of eight rows a thread */
-        const int64_t from = t * per < in ? t * per : in, to = from + per < in ? from + per : in;
-        float *acc = scratch + t * out;
-        memset(acc, 0, sizeof(float) * (size_t)out);
-        add_rows(x, w, out, out, from, to, acc);
-#pragma omp barrier
-        const int64_t vectors = (out + LANES - 1) / LANES, share = (vectors + team - 1) / team;
-        for (int64_t c = t * share * LANES; c < out && c < (t + 1) * share * LANES; c += LANES) {
-            vf s = bias ? vload_first(bias + c, out - c) : (vf){0};
-            for (int u = 0; u < team; u++)
-                s += vload_first(scratch + u * out + c, out - c);
-            vstore_first(y + c, s, out - c);
-        }
-    }
-    return 0;
 }
 
 /* A bfloat16 is the upper half of a float32's bits. A vector of 2 * LANES bfloat16 read as LANES 32-bit

@@ -1,5 +1,5 @@
-/* Portable vector helpers shared by hfgpt's C kernels (attention.c, gelu.c, loss.c, row_product.c, and
- * int8_linear.c's decoding block). cpu/native.py's build hashes this header with each source.
+/* Portable vector helpers shared by hfgpt's C kernels (row_product.c, int8_linear.c, and the decoding step
+ * of decode_step.h they both build). cpu/native.py's build hashes this header with each source.
  *
  * `vf` is a vector of LANES floats in GCC/Clang's vector extensions, as wide as the host's widest float
  * vectors under -march=native: 16 lanes with AVX-512, 8 with AVX (AVX2 machines), 4 elsewhere (SSE2,
@@ -170,8 +170,8 @@ static inline vf exp_v(vf x)
 /* exp(x), and exactly 0 where x lies below -103 (so that exp(-inf) is 0); a NaN stays NaN. */
 static inline vf exp_or_zero(vf x) { return vkeep(~(x < -103.0f), exp_v(x)); }
 
-/* The tanh GELU as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): gelu.c (forward and backward) and
- * int8_linear.c's decoding block. */
+/* The tanh GELU as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), for the
+ * decoding step's MLP. */
 static const float SQRT_2_OVER_PI = 0.7978845608028654f, CUBIC = 0.044715f, LIMIT = 10.0f;
 
 /* For each lane x: *s = sigmoid(2u) (0 below -LIMIT), *es = 1 - s, and *dv = 2u' x, each from x clamped to
