@@ -1,14 +1,33 @@
 """What the tests of hfgpt's C kernels (tests/test_*_kernel.py) share: a fresh kernel cache around each
-test, a record of a kernel's calls, and a training step compared with torch's ops."""
+test, a record of a kernel's calls and of the ops a dispatch mode sees, and builds for narrower vectors."""
 
+import os
 import platform
+import shutil
 
 import pytest
-import torch
-from test_performance import seeded_step  # tests/ is on sys.path
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfgpt.cpu import kernels, native
-from hfgpt.modeling import GPTForCausalLM
+
+# The kernels are one portable source each, built with the machine's C compiler for its own vectors (AVX2,
+# AVX-512, NEON): they run wherever there is a compiler.
+needs_kernel = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="hfgpt's C kernels need a C compiler"
+)
+
+
+class OpRecorder(TorchDispatchMode):
+    """A torch dispatch mode that records each op it sees in `ops` (and runs it): what make_fx,
+    FakeTensorMode or FlopCounterMode would see of a computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -85,15 +104,3 @@ def without_kernel(monkeypatch, name: str) -> None:
     monkeypatch.setattr(
         kernels, "available", lambda kernel_name: kernel_name != name and available(kernel_name)
     )
-
-
-def assert_step_equals_torchs(
-    model: GPTForCausalLM, ids: torch.Tensor, step: tuple[torch.Tensor, dict], atol: float, rtol: float
-) -> None:
-    """`step` (`seeded_step(model, ids, seed=3)` on a kernel) equals the same step run again now that the
-    caller has switched the kernel off: the loss to 1e-6, each gradient to `atol` / `rtol`."""
-    loss, grads = step
-    torch_loss, torch_grads = seeded_step(model, ids, seed=3)
-    torch.testing.assert_close(loss, torch_loss, atol=1e-6, rtol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, torch_grads[name], atol=atol, rtol=rtol, msg=name)

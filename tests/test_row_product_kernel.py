@@ -1,24 +1,23 @@
-"""hfgpt's one-row float32 product kernel (modeling/csrc/row_product.c): `one_row_product` (an `[out, in]`
-weight) and `one_row_conv1d` (a Conv1D `[in, out]` weight) against torch's products, in a decoding step,
-and where it steps aside."""
+"""hfgpt's one-row product kernels (cpu/csrc/row_product.c): `few_rows_product` at one float32 row (an
+`[out, in]` weight, the LM head of a decoding step) and `one_row_bfloat16` against torch's products, in a
+decoding step, and where they step aside."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import (  # tests/ is on sys.path
     NARROW_TARGETS,
+    OpRecorder,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
     narrow_build,
+    needs_kernel,
     record_kernel_calls,
     using_library,
 )
-from test_attention_kernel import needs_kernel
-from test_performance import OpRecorder
 from transformers import GPT2LMHeadModel
 
 from hfgpt.cpu import kernels, native, quantization
-from hfgpt.cpu import ops as ops_hfgpt
-from hfgpt.cpu.ops import one_row_conv1d, one_row_product
+from hfgpt.cpu.products import few_rows_applies, few_rows_product, one_row_bfloat16
 from hfgpt.cpu.quantization import quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.interop import to_transformers
@@ -50,56 +49,33 @@ def test_row_product_equals_f_linear(out, width, torch_threads, kernel_calls):
     generator = torch.Generator().manual_seed(out + width)
     x, weight = torch.randn(1, width, generator=generator), torch.randn(out, width, generator=generator)
     with torch.no_grad():
-        got = one_row_product(x, weight)
+        assert few_rows_applies(x, weight)
+        got = few_rows_product(x, weight)
     assert kernel_calls == ["hfgpt_row_product"]
     assert got.shape == (1, out) and got.is_contiguous()
     assert_as_close_as_torch(got, F.linear(x, weight), F.linear(x.double(), weight.double()))
 
 
-@pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("width, out", [*SHAPES, (45, 40), (3072, 768), (8, 1)])  # Conv1D: [in, out]
-def test_row_conv1d_equals_addmm(width, out, bias, torch_threads, kernel_calls):
-    """Rows split between the threads in whole groups of eight (so one thread may get none), the partial
-    sums and the bias then added."""
-    generator = torch.Generator().manual_seed(out + width)
-    x, weight = torch.randn(1, width, generator=generator), torch.randn(width, out, generator=generator)
-    b = torch.randn(out, generator=generator) if bias else None
-    with torch.no_grad():
-        got = one_row_conv1d(x, weight, b)
-    assert kernel_calls == ["hfgpt_row_conv1d"]
-    assert got.shape == (1, out) and got.is_contiguous()
-    if b is None:
-        assert_as_close_as_torch(got, x @ weight, x.double() @ weight.double())
-    else:
-        assert_as_close_as_torch(
-            got, torch.addmm(b, x, weight), torch.addmm(b.double(), x.double(), weight.double())
-        )
-
-
-def test_row_products_keep_nans_and_infinities():
+@pytest.mark.parametrize("torch_threads", [2], indirect=True)
+def test_row_products_keep_nans_and_infinities(torch_threads, kernel_calls):
     x, weight = torch.ones(1, 40), torch.ones(6, 40)
     weight[1, 3], weight[2, 39], weight[3, 0] = float("nan"), float("inf"), float("-inf")
     with torch.no_grad():
-        torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), equal_nan=True)
-        torch.testing.assert_close(
-            one_row_conv1d(x, weight.T.contiguous(), None), x @ weight.T, equal_nan=True
-        )
+        torch.testing.assert_close(few_rows_product(x, weight), F.linear(x, weight), equal_nan=True)
+    assert kernel_calls == ["hfgpt_row_product"]
 
 
-@pytest.mark.parametrize("intel", [False, True])
+@pytest.mark.parametrize("torch_threads", [2], indirect=True)
 @pytest.mark.parametrize("family", ["gpt2", "gpt1"])
 def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
-    family, intel, kernel_calls, monkeypatch
+    family, torch_threads, kernel_calls
 ):
-    """A decoding step at batch size 1 (block by block: heads of 32) runs every layer's products on the
-    Conv1D kernel and the LM head on the `[out, in]` one, in the model and in its float32 decoding copy
-    alike: the tokens are transformers' on the same weights, the logits equal to float rounding. On Intel's
-    CPUs (`mkl_decodes_fast`) the model's products are MKL's, as the plain model's, with the same tokens."""
-    monkeypatch.setattr(ops_hfgpt, "mkl_decodes_fast", lambda: intel)
+    """A decoding step at batch size 1 runs every block in one call into csrc/row_product.c's step and the
+    LM head on the `[out, in]` row product, in the model and in its float32 decoding copy alike: the tokens
+    are transformers' on the same weights, the logits equal to float rounding."""
     torch.manual_seed(0)
     config = GPTConfig.from_preset(
-        "gpt2" if family == "gpt2" else "openai-gpt", n_embd=64, n_layer=2, n_head=2, vocab_size=500,
+        "gpt2" if family == "gpt2" else "openai-gpt", n_embd=128, n_layer=2, n_head=2, vocab_size=500,
         n_positions=64,
     )  # fmt: skip
     model = GPTForCausalLM(config).eval()
@@ -112,11 +88,8 @@ def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
         for decoder in (model, copy):
             kernel_calls.clear()
             assert torch.equal(decoder.generate(ids, **settings), expected)
-            if intel:
-                assert kernel_calls == []
-                continue
-            assert kernel_calls.count("hfgpt_row_conv1d") >= 11 * 4 * config.n_layer
-            assert "hfgpt_row_product" in kernel_calls  # the LM head
+            # each of the 11 steps after the prompt's: the blocks in one call, then the LM head
+            assert kernel_calls == ["hfgpt_float_decode_step", "hfgpt_row_product"] * 11
         step = ids[:, -1:]
         cache = model(ids[:, :-1], use_cache=True).past_key_values
         torch.testing.assert_close(
@@ -125,20 +98,26 @@ def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
     assert isinstance(peer, GPT2LMHeadModel) == (family == "gpt2")
 
 
-def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_it(kernel_calls, monkeypatch):
+@pytest.mark.parametrize("torch_threads", [2], indirect=True)
+def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_it(
+    torch_threads, kernel_calls, monkeypatch
+):
     """The kernel is a torch operator (`torch.ops.hfgpt.row_product`): a dispatch mode records it as one op.
     With `HFGPT_NATIVE=0` torch's split product runs instead."""
     x, weight = torch.randn(1, 48), torch.randn(40, 48)
     with torch.no_grad():
         with OpRecorder() as recorder:
-            got = one_row_product(x, weight)
+            got = few_rows_product(x, weight)
         assert kernel_calls == ["hfgpt_row_product"] and torch.ops.hfgpt.row_product.default in recorder.ops
-        assert torch.ops.aten.bmm.default not in recorder.ops  # (torch's split product)
+        assert torch.ops.aten.mm.default not in recorder.ops  # (torch's product)
         torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
         monkeypatch.setenv("HFGPT_NATIVE", "0")
         native.kernel.cache_clear()
-        assert not ops_hfgpt.kernel_runs("row_product", x)
-        torch.testing.assert_close(one_row_product(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        assert not kernels.available("row_product")
+        with OpRecorder() as recorder:
+            got = few_rows_product(x, weight)
+        assert torch.ops.aten.mm.default in recorder.ops and kernel_calls == ["hfgpt_row_product"]
+        torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("target", NARROW_TARGETS)
@@ -149,7 +128,7 @@ def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_pa
     bfloat16 one's included."""
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(1, 203, generator=generator), torch.randn(45, 203, generator=generator)
-    conv_weight, bias = torch.randn(203, 45, generator=generator), torch.randn(45, generator=generator)
+    bias = torch.randn(45, generator=generator)
     halves = [t.bfloat16() for t in (x, weight, bias)]
     results = []
     library = narrow_build(tmp_path, "row_product", target)
@@ -157,23 +136,15 @@ def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_pa
         with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
             if build is not None:
                 using_library(patch, "row_product", build)
-            products = kernels.row_product(x, weight, 2), kernels.row_conv1d(x, conv_weight, bias, 3)
+            products = kernels.row_product(x, weight, 2), kernels.row_product(x, weight, 3)
             results.append((*products, kernels.row_product_bf16(*halves)))
     for got, narrow in zip(*results, strict=True):  # (bfloat16 sums may round apart in the last place)
         rtol = 1e-5 if got.dtype == torch.float32 else 2.0**-7
         torch.testing.assert_close(narrow.float(), got.float(), atol=1e-5, rtol=rtol)
     torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(results[1][1], torch.addmm(bias, x, conv_weight), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], F.linear(x, weight), atol=1e-4, rtol=1e-5)
     exact = F.linear(*(t.double() for t in halves))
     assert ((results[1][2].double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
-
-
-def bfloat16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """torch's bfloat16 product: oneDNN's where it takes bfloat16 (a CPU with AVX-512), else `F.linear`'s
-    (summed in float32 too)."""
-    if ops_hfgpt.onednn_bfloat16_runs():
-        return ops_hfgpt.onednn_mm(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
@@ -187,8 +158,8 @@ def test_bfloat16_row_product_equals_torchs(out, width, bias, torch_threads, ker
     weight = (torch.randn(out, width, generator=generator) * 0.1).bfloat16()
     b = torch.randn(out, generator=generator).bfloat16() if bias else None
     with torch.no_grad():
-        got = ops_hfgpt.one_row_bfloat16(x, weight, b)
-        theirs = bfloat16_product(x, weight, b)
+        got = one_row_bfloat16(x, weight, b)
+        theirs = F.linear(x, weight, b)
     assert kernel_calls == ["hfgpt_row_product_bf16"]
     assert got.dtype == torch.bfloat16 and got.shape == (1, out)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
@@ -201,23 +172,22 @@ def test_bfloat16_row_product_keeps_nans_and_infinities():
     x, weight = torch.ones(1, 40, dtype=torch.bfloat16), torch.ones(4, 40, dtype=torch.bfloat16)
     weight[1, 3], weight[2, 39], weight[3, 0] = float("nan"), float("inf"), float("-inf")
     with torch.no_grad():
-        got = ops_hfgpt.one_row_bfloat16(x, weight, None)
+        got = one_row_bfloat16(x, weight, None)
     torch.testing.assert_close(got, F.linear(x, weight), equal_nan=True)
 
 
 def test_bfloat16_row_product_steps_aside_for_gradients_other_dtypes_and_strides(kernel_calls):
     x, weight = torch.randn(1, 48).bfloat16(), torch.randn(40, 48).bfloat16()
     with torch.no_grad():
-        assert ops_hfgpt.one_row_bfloat16(x.float(), weight.float(), None) is None
-        assert ops_hfgpt.one_row_bfloat16(x, weight.T.contiguous().T, None) is None
-    assert ops_hfgpt.one_row_bfloat16(x, weight.requires_grad_(), None) is None
+        assert one_row_bfloat16(x.float(), weight.float(), None) is None
+        assert one_row_bfloat16(x, weight.T.contiguous().T, None) is None
+    assert one_row_bfloat16(x, weight.requires_grad_(), None) is None
     assert kernel_calls == []
 
 
 def test_bfloat16_decoding_copy_runs_the_kernel_with_torchs_logits(kernel_calls, monkeypatch):
     """Every layer and the LM head of a bfloat16 decoding copy at batch size 1 run on the kernel; the
-    logits of a decoding step are those of torch's bfloat16 products (oneDNN's where it takes bfloat16)
-    to bfloat16 rounding."""
+    logits of a decoding step are those of torch's bfloat16 products to bfloat16 rounding."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=500, n_positions=64, n_embd=64, n_layer=2, n_head=2)
     copy = quantize_for_decoding(GPTForCausalLM(config).eval(), torch.bfloat16)
