@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from bench_model import publish  # the sibling script (python benchmarks/lowp_accuracy.py)
+from harness import publish  # the sibling module (python benchmarks/lowp_accuracy.py)
 from transformers import AutoTokenizer
 
-from hfgpt.cpu.quantization import quantize_for_decoding
+from hfgpt.cpu import quantize_for_decoding
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.tokenization import GPT2Tokenizer
 
