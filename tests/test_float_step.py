@@ -23,12 +23,11 @@ from test_int8_step import (
     record_steps,
 )
 
-from hfgpt.cpu import kernelize, kernels, native, unkernelize
+from hfgpt.cpu import is_kernelized, kernelize, kernels, native, unkernelize
 from hfgpt.cpu.cache import grow_in_place
 from hfgpt.cpu.decoding import step_tensors
-from hfgpt.cpu.layers import model_forward
 from hfgpt.modeling import GPTForCausalLM
-from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
+from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD
 
 # The step's layer norms, GELU and products are the kernel's own; block by block, torch's.
 CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -51,12 +50,23 @@ def one_calls(monkeypatch) -> list[int]:
     return record_steps(monkeypatch, "float_decode_step")
 
 
-def test_the_backend_swaps_the_one_call_forward_in_and_out():
+def test_the_backend_switches_the_one_call_step_on_and_off(one_calls):
+    """`unkernelize` takes a model off the one-call step, `kernelize` puts it back, with nothing set on its
+    modules: the same tokens either way."""
     model = kernelized("gpt2")
-    assert model.transformer.forward.__func__ is model_forward
+    ids, mask = padded_batch(300)
+    assert is_kernelized(model)
+    one = greedy(model, ids, mask, new=3)
+    assert one_calls == [3, 3]
     unkernelize(model)
-    assert "forward" not in model.transformer.__dict__
-    assert model.transformer.forward.__func__ is GPTModel.forward
+    assert not is_kernelized(model)
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    assert torch.equal(greedy(model, ids, mask, new=3).sequences, one.sequences)
+    assert one_calls == [3, 3]
+    kernelize(model)
+    assert is_kernelized(model)
+    assert torch.equal(greedy(model, ids, mask, new=3).sequences, one.sequences)
+    assert one_calls == [3, 3] * 2
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt1"])

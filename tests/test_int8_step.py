@@ -6,10 +6,8 @@ import pytest
 import torch
 from test_int8_block import copies, padded_batch  # tests/ is on sys.path
 
-from hfgpt.cpu import decoding, kernels, native
+from hfgpt.cpu import backend, decoding, is_kernelized, kernels, native
 from hfgpt.cpu.cache import grow_in_place
-from hfgpt.cpu.decoding import one_call_forward
-from hfgpt.cpu.layers import is_kernelized, model_forward
 from hfgpt.cpu.quantization import Int8Block
 from hfgpt.modeling import GPTForCausalLM
 from hfgpt.modeling.modeling_hfgpt import CACHE_FIELD, GPTModel
@@ -68,13 +66,18 @@ def greedy(model: GPTForCausalLM, ids: torch.Tensor, mask: torch.Tensor, new: in
         )  # fmt: skip
 
 
-def test_the_int8_copy_decodes_through_the_one_call_forward():
+def test_the_int8_copy_decodes_through_the_backend(one_calls):
     model, int8 = copies("gpt2")
     assert type(int8.transformer) is GPTModel
-    assert int8.transformer.forward.__func__ is one_call_forward
-    # (the float model is left as it was: the CPU backend's forward, or with the backend off the class's)
-    assert model.transformer.forward.__func__ in {GPTModel.forward, model_forward}
+    # the copy runs the backend whatever the default; nothing is set on its modules but the model's flag
+    assert is_kernelized(int8) and GPTForCausalLM.forward is backend.forward
+    assert int8.__dict__[backend._FLAG] is True
+    assert "forward" not in int8.__dict__ and "forward" not in int8.transformer.__dict__
+    # (the float model is left as it was: no flag of its own, the backend's default)
+    assert backend._FLAG not in model.__dict__
     assert all(type(block) is Int8Block for block in int8.transformer.h)
+    greedy(int8, *padded_batch(300), new=2)
+    assert one_calls == [3]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt1"])
@@ -91,13 +94,9 @@ def test_each_decoding_step_is_one_call_with_the_block_by_block_numbers(
     blocks = greedy(int8, ids, mask)
     assert len(block_calls) == 2 + 2 * 8 and all(block_calls)
     assert torch.equal(one.sequences, blocks.sequences)
+    # (block by block, the attention is torch's sdpa; in the one call, the kernel's own)
     for got, expected in zip(one.scores, blocks.scores, strict=True):
-        if family == "gpt1" and is_kernelized(int8):
-            # no final norm, and the blocks' attention on the backend's decode kernel: the same C functions
-            # in the same order, bit for bit
-            assert torch.equal(got, expected)
-        else:
-            torch.testing.assert_close(got, expected, **CLOSE)
+        torch.testing.assert_close(got, expected, **CLOSE)
 
 
 def test_beam_search_reorders_the_cache_between_one_call_steps(one_calls, monkeypatch):
@@ -128,12 +127,11 @@ def assert_beams_step_in_one_call(model: GPTForCausalLM, one_calls: list[int], m
 def test_the_step_writes_the_cache_the_block_by_block_path_writes(monkeypatch):
     _, int8 = copies("gpt2")
     cached, expected_cached = assert_steps_write_the_cache(int8, monkeypatch)
-    # the keys and values of c_attn's product, written as they are: the first block's always bit for bit,
-    # the next ones' too where the blocks' attention is the backend's decode kernel, as the step's is
-    exact = 4 if is_kernelized(int8) else 2
-    for got, expected in zip(cached[:exact], expected_cached[:exact], strict=True):
+    # the keys and values of c_attn's product, written as they are: the first block's bit for bit (the
+    # next ones' follow an attention that is the kernel's in one call and torch's sdpa block by block)
+    for got, expected in zip(cached[:2], expected_cached[:2], strict=True):
         assert torch.equal(got, expected)
-    for got, expected in zip(cached[exact:], expected_cached[exact:], strict=True):
+    for got, expected in zip(cached[2:], expected_cached[2:], strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)
 
 
