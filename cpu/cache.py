@@ -7,15 +7,15 @@ blocks, which above glibc's mmap threshold are fresh pages faulted in one by one
 
 `GrowingLayer` keeps each layer's keys and values in buffers with spare positions and writes a step's new
 positions into them; `layer.keys` and `layer.values` are views of the buffers' first positions, so every
-reader of the cache (sdpa, hfgpt's decode attention, `get_seq_length`, the masks) sees what a
+reader of the cache (sdpa, the one-call step's attention, `get_seq_length`, the masks) sees what a
 `DynamicLayer` holds, with the buffers' strides. transformers' own edits of a layer (`crop`,
 `batch_select_indices`, `batch_repeat_interleave`, `reorder_cache`, `reset`) assign new tensors to
 `keys` and `values` as for a `DynamicLayer`: the next update keeps using the buffer where the new keys
 are still its first positions (a crop), and otherwise copies them into a new buffer.
 
 `grow_in_place(cache)` turns the `DynamicLayer`s of a plain `DynamicCache` into `GrowingLayer`s, keeping
-the object that the caller (`generate()`, a user's loop) holds; the CPU backend's causal LM forward calls
-it on the cache it is given (`hfgpt.cpu.layers.causal_lm_forward`).
+the object that the caller (`generate()`, a user's loop) holds; the CPU backend's one-call decoding step
+calls it on the cache it is given (`hfgpt.cpu.decoding`).
 """
 
 import torch

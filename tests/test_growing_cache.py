@@ -1,6 +1,8 @@
 """The CPU backend's cache appends (`hfgpt.cpu.cache`): a plain `DynamicCache` handed to a kernelized causal
-LM writes each step into buffers with spare positions instead of concatenating, holds what a `DynamicLayer`
-holds through every edit transformers makes to a cache, and gives the plain model's logits and tokens."""
+LM is grown at its first one-call decoding step, which then writes each step into buffers with spare positions
+instead of concatenating; it holds what a `DynamicLayer` holds through every edit transformers makes to a
+cache, and gives the plain model's logits and tokens. Where no step runs in one call (heads other than 64),
+the cache stays the plain model's."""
 
 import copy
 
@@ -17,8 +19,13 @@ from hfgpt.modeling.interop import to_transformers
 TINY = dict(
     vocab_size=96, n_positions=256, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
 )
-# Heads of 64, so that decoding steps run the C decode attention on the buffers' views.
+# Heads of 64, so that decoding steps run in one call (`hfgpt.cpu.decoding`) on the buffers.
 WIDE_HEADS = dict(TINY, n_embd=128, n_head=2)
+
+
+def layer_type(overrides: dict) -> type:
+    """The cache layers' type after a decoding step: grown where the step ran in one call (heads of 64)."""
+    return growing.GrowingLayer if overrides is WIDE_HEADS else DynamicLayer
 
 
 def models(overrides: dict) -> tuple[GPTForCausalLM, GPTForCausalLM]:
@@ -38,8 +45,9 @@ def assert_same_layers(got: DynamicCache, expected: DynamicCache) -> None:
 
 @pytest.mark.parametrize("overrides", [TINY, WIDE_HEADS], ids=["heads-of-8", "heads-of-64"])
 def test_steps_write_into_the_callers_cache_without_copying_it(overrides):
-    """A user's own `DynamicCache`, passed step by step, stays the same object, is filled in place (each
-    step's keys start where the previous step's did), and the logits are the plain model's at every step."""
+    """A user's own `DynamicCache`, passed step by step, stays the same object, is filled in place from the
+    first one-call step on (each step's keys start where the previous step's did), and the logits are the
+    plain model's at every step. The prompt (and every step where none runs in one call) leaves it plain."""
     ours, plain = models(overrides)
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     cache, reference = DynamicCache(), DynamicCache()
@@ -47,14 +55,17 @@ def test_steps_write_into_the_callers_cache_without_copying_it(overrides):
         got = ours(ids[:, :8], cache=cache).logits
         expected = plain(ids[:, :8], cache=reference).logits
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        assert all(type(layer) is growing.GrowingLayer for layer in cache.layers)
-        start = cache.layers[0].keys.data_ptr()
+        assert all(type(layer) is DynamicLayer for layer in cache.layers)
+        start = None
         for position in range(8, 40):
             out = ours(ids[:, position : position + 1], cache=cache)
             assert getattr(out, CACHE) is cache
+            assert all(type(layer) is layer_type(overrides) for layer in cache.layers)
             expected = plain(ids[:, position : position + 1], cache=reference).logits
             torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
-            assert cache.layers[0].keys.data_ptr() == start  # 8 + 64 spare positions: never reallocated
+            if overrides is WIDE_HEADS:
+                start = start or cache.layers[0].keys.data_ptr()
+                assert cache.layers[0].keys.data_ptr() == start  # 9 + 64 spare positions: never reallocated
         assert cache.get_seq_length() == reference.get_seq_length() == 40
         for layer, expected_layer in zip(cache.layers, reference.layers, strict=True):
             torch.testing.assert_close(layer.keys, expected_layer.keys, rtol=1e-5, atol=1e-5)
@@ -77,7 +88,7 @@ def test_generate_gives_transformers_tokens_past_the_buffers_first_size(override
         out = ours.generate(ids, max_new_tokens=150, return_dict_in_generate=True, **common)
         assert torch.equal(out.sequences, peer.generate(ids, max_new_tokens=150, **common))
         cache = getattr(out, CACHE)
-        assert all(type(layer) is growing.GrowingLayer for layer in cache.layers)
+        assert all(type(layer) is layer_type(overrides) for layer in cache.layers)
         beams = dict(common, max_new_tokens=20, num_beams=3)
         assert torch.equal(ours.generate(ids, **beams), peer.generate(ids, **beams))
 
@@ -147,7 +158,7 @@ def test_a_cache_filled_under_inference_mode_grows_outside_it():
     """A prompt run under `torch.inference_mode()` and steps under `torch.no_grad()` (a tensor made in
     inference mode cannot be written outside it): the steps move the cache into a buffer they may write,
     with the plain model's logits."""
-    ours, plain = models(TINY)
+    ours, plain = models(WIDE_HEADS)
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
     cache, reference = DynamicCache(), DynamicCache()
     with torch.inference_mode():
@@ -158,7 +169,7 @@ def test_a_cache_filled_under_inference_mode_grows_outside_it():
             got = ours(ids[:, position : position + 1], cache=cache).logits
             expected = plain(ids[:, position : position + 1], cache=reference).logits
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert not cache.layers[0].keys.is_inference()
+    assert type(cache.layers[0]) is growing.GrowingLayer and not cache.layers[0].keys.is_inference()
 
 
 def test_other_caches_and_other_devices_are_left_alone():
@@ -168,7 +179,7 @@ def test_other_caches_and_other_devices_are_left_alone():
     class MyCache(DynamicCache):
         pass
 
-    ours, plain = models(TINY)
+    ours, plain = models(WIDE_HEADS)  # (heads of 64: a plain cache would grow in the kernelized model's step)
     ids = torch.randint(0, 96, (1, 6))
     mine, untouched = MyCache(), DynamicCache()
     with torch.no_grad():
