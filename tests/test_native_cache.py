@@ -89,9 +89,10 @@ def planted_library(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gelu_name(tmp_path_factory) -> str:
-    """The file name `build("gelu")` looks for in any cache folder (it does not depend on the folder)."""
-    return native.build("gelu", directory=tmp_path_factory.mktemp("reference-cache")).name
+def kernel_name(tmp_path_factory) -> str:
+    """The file name `build("row_product")` looks for in any cache folder (it does not depend on the
+    folder)."""
+    return native.build("row_product", directory=tmp_path_factory.mktemp("reference-cache")).name
 
 
 def _plant(planted_library: Path, folder: Path, name: str, owner: int | None = OTHER_UID) -> Path:
@@ -112,35 +113,37 @@ def _shared_folder(path: Path, mode: int = 0o1777, owner: int | None = None) -> 
     return path
 
 
-def _assert_genuine_gelu(library, not_in: Path) -> None:
-    """`library` is the gelu kernel built from csrc (it answers its own entry point), not from `not_in`."""
+def _assert_genuine_kernel(library, not_in: Path) -> None:
+    """`library` is the row_product kernel built from csrc (it answers its own entry point), not from
+    `not_in`."""
     assert library is not None
     assert not Path(library._name).is_relative_to(not_in)
-    x, y = torch.tensor([0.0, 1.0, -30.0]), torch.full((3,), float("nan"))
-    assert library.hfgpt_gelu_forward(x.data_ptr(), y.data_ptr(), 3, 1) == 0
-    torch.testing.assert_close(y, torch.nn.functional.gelu(x, approximate="tanh"))
+    x, weight = torch.tensor([[1.0, 2.0, -3.0]]), torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 1.0]])
+    y = torch.full((1, 2), float("nan"))
+    assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 2, 3, None, y.data_ptr(), 1) == 0
+    torch.testing.assert_close(y, x @ weight.T)
 
 
 def test_a_library_planted_in_a_folder_writable_by_others_is_not_loaded(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state
 ):
     """A shared cache folder (1777, as /tmp) holding a library under the expected name: the kernel is built
     into a private temporary folder instead, with one warning naming the folder and the reason."""
     shared = _shared_folder(tmp_path / "shared")
-    planted = _plant(planted_library, shared, gelu_name)
+    planted = _plant(planted_library, shared, kernel_name)
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(shared))
     with pytest.warns(
         RuntimeWarning, match=r"does not load C kernels from .*shared: .*writable by others \(mode 1777\)"
     ):
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert not fresh_native_state.exists(), "the planted library's constructor ran"
-    _assert_genuine_gelu(library, not_in=shared)
+    _assert_genuine_kernel(library, not_in=shared)
     private = Path(library._name).parent
     assert private == native._private_folder()
     assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == os.geteuid()
     assert planted.read_bytes() == planted_library.read_bytes()  # left alone, not loaded
     with pytest.raises(native.NativeBuildError, match=r"refusing to load .*shared.* writable by others"):
-        native.load(planted, "gelu")
+        native.load(planted, "row_product")
     assert not fresh_native_state.exists()
 
 
@@ -149,7 +152,7 @@ def test_the_warning_comes_once_for_all_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(shared))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert native.kernel("gelu") is not None and native.kernel("dropout") is not None
+        assert native.kernel("row_product") is not None and native.kernel("int8_linear") is not None
     assert [str(w.message).split(":")[0] for w in caught] == [f"hfgpt does not load C kernels from {shared}"]
     assert list(shared.iterdir()) == []  # nothing was built there either
 
@@ -161,12 +164,12 @@ def test_a_library_replaced_in_a_world_writable_folder_is_not_loaded(
     user's, which this process does not load."""
     cache = _shared_folder(tmp_path / "cache", 0o777)
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
-    built = native.build("gelu", directory=native._private_folder())
+    built = native.build("row_product", directory=native._private_folder())
     _plant(planted_library, cache, built.name)
     with pytest.warns(RuntimeWarning, match=r"writable by others \(mode 777\)"):
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert not fresh_native_state.exists()
-    _assert_genuine_gelu(library, not_in=cache)
+    _assert_genuine_kernel(library, not_in=cache)
 
 
 def test_xdg_cache_home_in_a_shared_folder_gets_a_private_hfgpt_folder(monkeypatch, tmp_path):
@@ -177,59 +180,59 @@ def test_xdg_cache_home_in_a_shared_folder_gets_a_private_hfgpt_folder(monkeypat
     monkeypatch.delenv("HFGPT_CACHE_DIR")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert Path(library._name).parent == shared / "hfgpt"
     assert stat.S_IMODE((shared / "hfgpt").stat().st_mode) == 0o700
 
 
 @needs_root
 def test_xdg_cache_home_with_another_users_hfgpt_folder_is_not_loaded_from(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state
 ):
     """XDG_CACHE_HOME in a shared sticky folder where another user made hfgpt/ first (0755, theirs) and put
     a library in it."""
     shared = _shared_folder(tmp_path / "shared")
     theirs = _shared_folder(shared / "hfgpt", 0o755, owner=OTHER_UID)
-    _plant(planted_library, theirs, gelu_name)
+    _plant(planted_library, theirs, kernel_name)
     monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
     monkeypatch.delenv("HFGPT_CACHE_DIR")
     with pytest.warns(RuntimeWarning, match=rf"{theirs} is owned by another user \(uid {OTHER_UID}\)"):
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert not fresh_native_state.exists()
-    _assert_genuine_gelu(library, not_in=shared)
+    _assert_genuine_kernel(library, not_in=shared)
 
 
 @needs_root
 def test_a_folder_above_the_cache_owned_by_another_user_is_refused(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state
 ):
     """A cache folder of this user's (0700) inside another user's folder: they could rename it and put
     their own in its place."""
     theirs = _shared_folder(tmp_path / "alice", 0o755, owner=OTHER_UID)
     cache = _shared_folder(theirs / "cache", 0o700)
-    _plant(planted_library, cache, gelu_name, owner=None)
+    _plant(planted_library, cache, kernel_name, owner=None)
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
     with pytest.warns(RuntimeWarning, match=rf"{theirs} is owned by another user \(uid {OTHER_UID}\)"):
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert not fresh_native_state.exists()
-    _assert_genuine_gelu(library, not_in=theirs)
+    _assert_genuine_kernel(library, not_in=theirs)
 
 
 @needs_root
 @pytest.mark.parametrize("problem", ["owner", "mode"])
 def test_a_library_file_of_another_user_or_writable_by_others_is_rebuilt(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state, problem
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state, problem
 ):
     """A trusted cache folder (this user's, 0700) holding a library file that another user owns, or that
     others can write: it is not loaded but built afresh in its place."""
     cache = _shared_folder(tmp_path / "cache", 0o700)
-    planted = _plant(planted_library, cache, gelu_name, owner=OTHER_UID if problem == "owner" else None)
+    planted = _plant(planted_library, cache, kernel_name, owner=OTHER_UID if problem == "owner" else None)
     if problem == "mode":
         os.chmod(planted, 0o757)
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(cache))
     reason = rf"owned by another user \(uid {OTHER_UID}\)" if problem == "owner" else r"writable by others"
     with pytest.warns(RuntimeWarning, match=rf"does not load the C kernel {planted}: it is {reason}"):
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     assert not fresh_native_state.exists()
     assert library is not None and Path(library._name) == planted
     info = planted.stat()
@@ -242,7 +245,7 @@ def test_the_folders_it_makes_are_private(monkeypatch, tmp_path):
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path / "a" / "b" / "cache"))
     before = os.umask(0o002)
     try:
-        library = native.kernel("gelu")
+        library = native.kernel("row_product")
     finally:
         os.umask(before)
     assert Path(library._name).parent == tmp_path / "a" / "b" / "cache"
@@ -252,13 +255,13 @@ def test_the_folders_it_makes_are_private(monkeypatch, tmp_path):
 
 
 def test_a_relative_cache_path_is_made_absolute_once(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state
 ):
     """A relative HFGPT_CACHE_DIR is resolved against the working folder of its first use; a later chdir
     (into a folder holding a planted library under that relative path) does not move it."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
-    _plant(planted_library, second / "kernels", gelu_name, owner=None)
+    _plant(planted_library, second / "kernels", kernel_name, owner=None)
     monkeypatch.setenv("HFGPT_CACHE_DIR", "kernels")
     monkeypatch.chdir(first)
     assert native.cache_dir() == first / "kernels"
@@ -266,23 +269,23 @@ def test_a_relative_cache_path_is_made_absolute_once(
     assert native.cache_dir() == first / "kernels"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        library = native.kernel("gelu")
-    assert Path(library._name) == first / "kernels" / gelu_name
+        library = native.kernel("row_product")
+    assert Path(library._name) == first / "kernels" / kernel_name
     assert not fresh_native_state.exists()
 
 
 def test_a_relative_xdg_cache_home_is_ignored(
-    monkeypatch, tmp_path, planted_library, gelu_name, fresh_native_state
+    monkeypatch, tmp_path, planted_library, kernel_name, fresh_native_state
 ):
     """The XDG spec: a relative XDG_CACHE_HOME is invalid and ignored, so ~/.cache/hfgpt is used, not a
     folder below wherever the process runs."""
-    _plant(planted_library, tmp_path / "work" / "cache" / "hfgpt", gelu_name, owner=None)
+    _plant(planted_library, tmp_path / "work" / "cache" / "hfgpt", kernel_name, owner=None)
     monkeypatch.chdir(tmp_path / "work")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", "cache")
     monkeypatch.delenv("HFGPT_CACHE_DIR")
     assert native.cache_dir() == tmp_path / "home" / ".cache" / "hfgpt"
-    library = native.kernel("gelu")
+    library = native.kernel("row_product")
     assert Path(library._name).parent == tmp_path / "home" / ".cache" / "hfgpt"
     assert not fresh_native_state.exists()
 
@@ -295,7 +298,7 @@ def test_without_a_trusted_private_folder_the_kernel_steps_aside(monkeypatch, tm
     with pytest.warns(
         RuntimeWarning, match=r"(?s)not available.*nor is a private temporary folder .*tmp is writable"
     ):
-        assert native.kernel("gelu") is None
+        assert native.kernel("row_product") is None
 
 
 def test_kernels_built_while_pytest_imports_the_test_modules_go_to_the_sessions_cache():
@@ -322,11 +325,11 @@ def test_the_compilers_arguments_are_part_of_the_librarys_name(monkeypatch, tmp_
     """`CC="cc -mno-avx512f"` and `CC=cc` are the same compiler (one `--version`) building different code."""
     compiler = shlex.join(native._compiler())
     monkeypatch.setenv("CC", compiler)
-    plain = native.build("gelu", directory=tmp_path)
+    plain = native.build("row_product", directory=tmp_path)
     monkeypatch.setenv("CC", f"{compiler} -DHFGPT_UNUSED_MACRO=1")
-    with_argument = native.build("gelu", directory=tmp_path)
+    with_argument = native.build("row_product", directory=tmp_path)
     assert with_argument != plain and plain.exists() and with_argument.exists()
-    assert native.build("gelu", directory=tmp_path) == with_argument  # (and found again)
+    assert native.build("row_product", directory=tmp_path) == with_argument  # (and found again)
 
 
 def test_hfgpt_cflags_follow_hfgpts_flags_and_name_the_library(monkeypatch, tmp_path):
@@ -335,10 +338,10 @@ def test_hfgpt_cflags_follow_hfgpts_flags_and_name_the_library(monkeypatch, tmp_
     monkeypatch.delenv("HFGPT_CFLAGS", raising=False)
     script, log = _recording_compiler(tmp_path / "bin")
     monkeypatch.setenv("CC", str(script))
-    plain = native.build("gelu", directory=tmp_path / "cache")
+    plain = native.build("row_product", directory=tmp_path / "cache")
     monkeypatch.setenv("HFGPT_CFLAGS", "-DHFGPT_UNUSED_MACRO='two words' -O2")
-    extra = native.build("gelu", directory=tmp_path / "cache")
-    explicit = native.build("gelu", native.FLAGS, directory=tmp_path / "cache")
+    extra = native.build("row_product", directory=tmp_path / "cache")
+    explicit = native.build("row_product", native.FLAGS, directory=tmp_path / "cache")
     assert extra != plain and explicit == plain
     compiles = [line for line in log.read_text().splitlines() if "[-o]" in line]
     flags = "".join(f"[{flag}]" for flag in native.FLAGS)
@@ -366,15 +369,15 @@ def test_a_bad_hfgpt_cflag_is_reported_with_the_command(monkeypatch, tmp_path):
     monkeypatch.setenv("HFGPT_CFLAGS", "--no-such-hfgpt-flag")
     with pytest.raises(
         native.NativeBuildError,
-        match=r"(?s)^`.* -fPIC --no-such-hfgpt-flag -o .*gelu\.c` failed \(exit \d+\):.*",
+        match=r"(?s)^`.* -fPIC --no-such-hfgpt-flag -o .*row_product\.c` failed \(exit \d+\):.*",
     ):
-        native.build("gelu", directory=tmp_path)
+        native.build("row_product", directory=tmp_path)
     monkeypatch.setenv("HFGPT_CACHE_DIR", str(tmp_path))
-    with pytest.warns(RuntimeWarning, match=r"C kernel gelu is not available.*--no-such-hfgpt-flag"):
-        assert native.kernel("gelu") is None
+    with pytest.warns(RuntimeWarning, match=r"C kernel row_product is not available.*--no-such-hfgpt-flag"):
+        assert native.kernel("row_product") is None
     monkeypatch.setenv("HFGPT_CFLAGS", "-DX='unclosed")
     with pytest.raises(native.NativeBuildError, match=r"HFGPT_CFLAGS=.*unclosed.* cannot be split"):
-        native.build("gelu", directory=tmp_path)
+        native.build("row_product", directory=tmp_path)
 
 
 AS_AVX2 = Path(__file__).resolve().parent.parent / ".ci" / "as-avx2"
