@@ -1,5 +1,5 @@
 """The CPU backend (hfgpt.cpu) plugs into the plain model from outside: the model files never import it,
-every new model is kernelized by default, `HFGPT_CPU_BACKEND=0` turns that off, `unkernelize` gives back
+every new causal LM is kernelized by default, `HFGPT_CPU_BACKEND=0` turns that off, `unkernelize` gives back
 exactly the plain model, and a kernelized model computes the plain model's values."""
 
 import copy
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hfgpt.cpu import is_kernelized, kernelize, layers, unkernelize
+from hfgpt.cpu import backend, is_kernelized, kernelize, kernels, unkernelize
 from hfgpt.modeling import (
     GPTConfig,
     GPTDoubleHeadsModel,
@@ -25,10 +27,13 @@ from hfgpt.modeling import (
     GPTForTokenClassification,
     GPTModel,
 )
+from hfgpt.modeling.modeling_hfgpt import eager_attention_forward
 
 MODELING_DIR = Path(__file__).parent.parent / "modeling"
 MODEL_FILES = ("modeling_hfgpt.py", "configuration_hfgpt.py")
 TINY = dict(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+# Heads of 64: decoding steps run in one call (`hfgpt.cpu.decoding`)
+WIDE = dict(TINY, n_embd=128)
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
 
 
@@ -66,18 +71,30 @@ def test_the_model_files_together_stay_close_to_the_length_of_transformers_gpt2(
     assert lines <= 1.15 * theirs, (lines, theirs)
 
 
-def test_new_models_are_kernelized_and_unkernelize_gives_back_the_plain_model():
+def test_new_models_are_kernelized_and_unkernelize_gives_back_the_plain_model(monkeypatch):
+    """A new causal LM runs the backend; `unkernelize` and `kernelize` switch its flag, nothing else is set
+    on its modules, and the logits and greedy tokens are the plain model's."""
+    steps = []
+    step = kernels.float_decode_step
+    monkeypatch.setattr(kernels, "float_decode_step", lambda *args: steps.append(1) or step(*args))
     torch.manual_seed(0)
-    model = GPTForCausalLM(GPTConfig(**TINY, **NO_DROPOUT)).eval()
+    model = GPTForCausalLM(GPTConfig(**WIDE, **NO_DROPOUT)).eval()
     assert is_kernelized(model) and model.config._attn_implementation == "sdpa"
+    assert instance_methods(model) == []
     plain = unkernelize(copy.deepcopy(model))
     assert not is_kernelized(plain) and instance_methods(plain) == []
     assert plain.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 96, (2, 20))
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=2e-5, rtol=1e-4)
+        assert torch.equal(model(ids).logits, plain(ids).logits)  # (a prompt: the model file's forward)
+        tokens = model.generate(ids, **settings)
+        assert len(steps) == 4
+        assert torch.equal(tokens, plain.generate(ids, **settings)) and len(steps) == 4
     assert kernelize(plain) is plain and is_kernelized(plain)
-    assert sorted(instance_methods(plain)) == sorted(instance_methods(model))
+    assert instance_methods(plain) == []
+    with torch.no_grad():
+        assert torch.equal(plain.generate(ids, **settings), tokens) and len(steps) == 8
 
 
 @pytest.mark.parametrize("head", [GPTForCausalLM, GPTForSequenceClassification, GPTDoubleHeadsModel])
@@ -115,9 +132,8 @@ HEADS = (
 def test_the_backend_keeps_the_attention_implementation_asked_for(head, norm, tmp_path):
     """transformers' common test `test_sdpa_can_dispatch_non_composite_models`, with the backend on: a model
     loaded by default or with `attn_implementation="sdpa"` says `sdpa`, one loaded with `"eager"` says
-    `eager` and has no attention layer whose config says `sdpa`; the kernelized sdpa model still runs the
-    backend's attention (`layers.cpu_attention`), and the eager one the model's eager attention, with the
-    same values."""
+    `eager` and has no attention layer whose config says `sdpa`; each runs the attention its config names
+    (the causal LM kernelized), with the same values."""
     torch.manual_seed(0)
     head(GPTConfig(**TINY, layer_norm_position=norm, pad_token_id=0)).save_pretrained(tmp_path)
     default = head.from_pretrained(tmp_path).eval()
@@ -128,11 +144,11 @@ def test_the_backend_keeps_the_attention_implementation_asked_for(head, norm, tm
     for name, submodule in eager.named_modules():
         if type(submodule).__name__.endswith("Attention") and getattr(submodule, "config", None):
             assert submodule.config._attn_implementation == "eager", name
-    assert is_kernelized(sdpa) and is_kernelized(eager)
+    assert is_kernelized(sdpa) == is_kernelized(eager) == (head is GPTForCausalLM)
     attention = [m for m in sdpa.modules() if type(m).__name__ == "GPTAttention"]
-    assert attention and all(layers.attention_function(m) is layers.cpu_attention for m in attention)
+    assert attention and all(m.attention_interface() is sdpa_attention_forward for m in attention)
     assert all(
-        layers.attention_function(m) is not layers.cpu_attention
+        m.attention_interface() is eager_attention_forward
         for m in eager.modules()
         if type(m).__name__ == "GPTAttention"
     )
@@ -144,17 +160,14 @@ def test_the_backend_keeps_the_attention_implementation_asked_for(head, norm, tm
     torch.testing.assert_close(got[key], expected[key], atol=2e-5, rtol=1e-4)
     sdpa.set_attn_implementation("eager")
     assert sdpa.config._attn_implementation == "eager"
-    assert all(layers.attention_function(m) is not layers.cpu_attention for m in attention)
+    assert all(m.attention_interface() is eager_attention_forward for m in attention)
 
 
 def test_transformers_own_sdpa_is_untouched():
-    """The backend registers its attention under its own name and never replaces transformers' `sdpa`
-    entry, which transformers' own models (GPT2LMHeadModel, ...) call."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    """The backend registers no attention function and never replaces transformers' `sdpa` entry, which
+    transformers' own models (GPT2LMHeadModel, ...) call."""
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
-    assert ALL_ATTENTION_FUNCTIONS[layers.ATTENTION] is layers.cpu_attention
+    assert not any("hfgpt" in name for name in ALL_ATTENTION_FUNCTIONS.valid_keys())
 
 
 def test_a_kernelized_model_off_float32_computes_the_plain_model():
@@ -167,25 +180,26 @@ def test_a_kernelized_model_off_float32_computes_the_plain_model():
         assert torch.equal(model(ids).logits, plain(ids).logits)
 
 
-def test_the_backend_takes_itself_out_of_a_model_moved_off_the_cpu():
+def test_a_kernelized_model_moved_off_the_cpu_runs_the_plain_model(monkeypatch):
     """A model built on the CPU and moved to another device (a GPU; the meta device here) runs the plain
-    model from its first forward there, the backend gone from every layer so that it costs nothing per call,
-    until `kernelize` puts it back. Under compilation it only steps aside (no module changes while traced)."""
+    model there, a prompt and a decoding step alike, without a call into C; nothing on its modules changes,
+    and back on the CPU its steps run in one call again."""
     torch.manual_seed(0)
-    model = GPTForCausalLM(GPTConfig(**TINY)).eval()
+    model = GPTForCausalLM(GPTConfig(**WIDE)).eval()
     assert is_kernelized(model)
     model.to("meta")
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(kernels, "_library", lambda name: pytest.fail(f"C kernel {name} called"))
+        out = model(torch.zeros(1, 5, dtype=torch.long, device="meta"), use_cache=True)
+        assert out.logits.shape == (1, 5, TINY["vocab_size"]) and out.logits.is_meta
+        step = model(torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=out.past_key_values)
+    assert step.logits.shape == (1, 1, TINY["vocab_size"]) and step.logits.is_meta
+    assert is_kernelized(model) and instance_methods(model) == []
+    model.to_empty(device="cpu")
+    ids = torch.zeros(1, 5, dtype=torch.long)
     with torch.no_grad():
-        out = model(torch.zeros(1, 5, dtype=torch.long, device="meta"), use_cache=False)
-    assert out.logits.shape == (1, 5, TINY["vocab_size"]) and out.logits.is_meta
-    assert not is_kernelized(model) and instance_methods(model) == []
-    assert is_kernelized(kernelize(model))
-    # Any head: train() on a model off the CPU (what Trainer calls once the model is on its GPU)
-    classifier = GPTForSequenceClassification(GPTConfig(**TINY)).to("meta")
-    assert is_kernelized(classifier)
-    classifier.train()
-    assert not is_kernelized(classifier) and classifier.training
-    assert is_kernelized(GPTForSequenceClassification(GPTConfig(**TINY)).train())  # on the CPU it stays
+        cache = model(ids, use_cache=True).past_key_values
+        assert backend.decoding_step(model.transformer, ids[:, :1], cache, None, None, True, {}) is not None
 
 
 def test_a_kernelized_model_saves_the_plain_code_and_reloads_kernelized(tmp_path):
