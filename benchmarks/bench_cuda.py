@@ -50,17 +50,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_model import (
-    Timing,
-    decode_weight_bytes,
-    forward_flops,
-    greedy,
-    interleaved,
-    left_padded_prompts,
-    marked_region,
-    with_region,
-    write_json,
-)
+from contenders import greedy, left_padded_prompts
+from harness import Timing, decode_weight_bytes, forward_flops, interleaved, write_json
+from report import marked_region, with_region
 from torch import nn
 from transformers import (
     CompileConfig,
@@ -371,7 +363,7 @@ def allocated(device: str) -> int | None:
 
 def train_flops(config: GPTConfig, batch: int, seq_len: int) -> float:
     """FLOPs of a training step: 3x the forward's matmuls (backward = 2x forward), the forward counted by
-    `bench_model.forward_flops`: 2 per multiply-add of the blocks' linear layers and of the LM head at every
+    `harness.forward_flops`: 2 per multiply-add of the blocks' linear layers and of the LM head at every
     position, and causal attention's QK^T and AV (half the T x T square on average). That is
     6 * N * tokens + 6 * n_layer * n_embd * (T + 1) * tokens, N the blocks' and the head's matmul weights
     (embeddings, layer norms and biases not counted)."""

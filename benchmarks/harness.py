@@ -286,6 +286,8 @@ def with_probes(
 
 @dataclass
 class Row:
+    """One measurement of one contender: a line of the figures' `rows`."""
+
     section: str
     family: str
     case: str
@@ -294,10 +296,14 @@ class Row:
     min_s: float
     max_s: float
     n: int
-    rate: float  # tokens/s, new tokens/s or steps/s depending on `unit`
+    rate: float  # tokens/s, new tokens/s, first tokens/s or GB peak, as `unit` says
     unit: str
     mfu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the contenders run: a forward, a training step
 
 
 def autocast_to(device: torch.device | str, dtype: torch.dtype | None) -> torch.autocast:
@@ -306,6 +312,7 @@ def autocast_to(device: torch.device | str, dtype: torch.dtype | None) -> torch.
 
 
 def forward_pass(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch.dtype | None = None) -> None:
+    """A forward without gradients, logits at every position (`keep=0`) or the last `keep`."""
     with torch.inference_mode(), autocast_to(ids.device, autocast):
         if keep and isinstance(model, OpenAIGPTLMHeadModel):
             # OpenAIGPT's forward has no logits_to_keep: it always computes every position.
@@ -317,8 +324,30 @@ def forward_pass(model: nn.Module, ids: torch.Tensor, keep: int, autocast: torch
 
 
 def inference(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` under `torch.inference_mode()`."""
     with torch.inference_mode():
         return fn(*args)
+
+
+def make_train_step(
+    model: nn.Module, ids: torch.Tensor, autocast_dtype: torch.dtype | None = None
+) -> Callable:
+    """One training step of `model` on `ids` (forward with the loss, backward, fused AdamW), as a callable."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step() -> None:
+        with autocast_to(ids.device, autocast_dtype):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fresh-process arms: decoders timed alone (`decoder_worker`), peak memory (`memory_worker`)
 
 
 def decoder_alone(
@@ -406,27 +435,6 @@ def decoder_worker(spec: dict[str, Any]) -> dict[str, Any]:
             decoder.greedy(prompts, new)
             times.append(time.perf_counter() - start)
     return {**result, "times": times}
-
-
-def make_train_step(
-    model: nn.Module, ids: torch.Tensor, autocast_dtype: torch.dtype | None = None
-) -> Callable:
-    model.train()
-    fused = True
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
-
-    def step() -> None:
-        with autocast_to(ids.device, autocast_dtype):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-# ---------------------------------------------------------------------------------------------------
-# Peak memory, one subprocess per measurement
 
 
 def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -593,8 +601,8 @@ def host_line(machine: dict[str, Any]) -> str:
     """The host in one line: CPU model (its flags that matter here), VM or not, the ISA limits, threads and
     versions. Figures written before these were recorded say what they lack rather than guess."""
     features = f" ({', '.join(machine['cpu_features'])})" if machine.get("cpu_features") else ""
-    vm = {True: "a VM", False: "not a VM", None: "VM or not not recorded"}[machine.get("vm")]
-    limits = machine.get("isa_limits") or "ISA limits not recorded"
+    vm = {True: "a VM", False: "not a VM", None: "VM: not recorded"}[machine.get("vm")]
+    limits = machine.get("isa_limits") or "ISA limits: not recorded"
     if machine.get("hfgpt_cflags") and limits != AS_AVX2:
         limits += f", hfgpt's kernels built with `{machine['hfgpt_cflags']}`"
     gpu = f", {machine['gpu']}" if machine.get("gpu") else ""

@@ -40,7 +40,7 @@ from bench_cuda import (
     training_step,
     transformers_model,
 )
-from bench_model import write_json
+from harness import write_json
 from torch.profiler import ProfilerActivity, profile
 from transformers.loss.loss_utils import ForCausalLMLoss
 

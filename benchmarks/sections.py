@@ -77,7 +77,7 @@ def prefill_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) ->
             with torch.inference_mode(), autocast_to(ids.device, dtype):
                 reference = ours(ids).logits.float()
                 err = (reference - peer(ids).logits.float()).abs().max().item()
-                # (the same call as `_forward`'s, so that this first call is the one that compiles)
+                # (the same call as `forward_pass`'s, so that this first call is the one that compiles)
                 compiled_err = (
                     (compiled(ids).logits.float() - reference).abs().max().item()
                     if compiled is not None and dtype is None
@@ -389,6 +389,8 @@ def compile_rows(ctx: Context, family: str, ours: GPTForCausalLM, peer: nn.Modul
 
 
 def memory_rows(ctx: Context, family: str) -> list[Row]:
+    """Peak memory of a training step, a prefill and a decoding run (a tiny run: the step alone), each
+    contender in a fresh process of its own (`harness.memory_worker`)."""
     profile = ctx.profile
     tasks = {
         "train": f"B={profile['train_shape'][0]}x{profile['train_shape'][1]} training step",
