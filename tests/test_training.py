@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from hfgpt.cpu import enabled_by_default
 from hfgpt.modeling import GPTForCausalLM, GPTPreTrainedModel
 from hfgpt.modeling.finetune import TrainingInputError
 from hfgpt.scripts.demo import build_char_tokenizer
@@ -116,10 +115,12 @@ def test_train_saves_a_complete_checkpoint_that_loads(tmp_path, corpus):
 
 def test_bf16_on_the_cpu_trains_inside_autocast_and_saves_float32(tmp_path, corpus, monkeypatch):
     """`--bf16 --use_cpu true` (README): Trainer runs each forward inside CPU autocast to bfloat16, the
-    LM head and loss take their bfloat16 path (bfloat16 logits, float32 loss), the weights stay float32."""
+    fused training loss forms no logits (float32 loss), the weights stay float32."""
     seen = []
+    post_init = GPTPreTrainedModel.post_init
 
     def add_recorder(model):  # around the forward of the model train_lm builds, as it is built
+        post_init(model)
         if not isinstance(model, GPTForCausalLM):
             return
         forward = model.forward
@@ -133,15 +134,12 @@ def test_bf16_on_the_cpu_trains_inside_autocast_and_saves_float32(tmp_path, corp
 
         model.forward = recording_forward
 
-    monkeypatch.setattr(
-        GPTPreTrainedModel, "post_init_hooks", [*GPTPreTrainedModel.post_init_hooks, add_recorder]
-    )
+    monkeypatch.setattr(GPTPreTrainedModel, "post_init", add_recorder)
     argv = _argv(corpus, tmp_path / "out", "--max_steps", "2", "--bf16", "true")
     metrics = train_lm(*_parse(argv))
     assert metrics["train_steps"] == 2 and math.isfinite(metrics["train_loss"])
-    # The CPU backend's head and loss return bfloat16 logits; the plain model's training loss forms none.
-    expected_logits = torch.bfloat16 if enabled_by_default() else None
-    assert seen and set(seen[:2]) == {(True, expected_logits, torch.float32)}
+    # Training runs the model file's forward, whose fused loss forms no logits, with the backend or without.
+    assert seen and set(seen[:2]) == {(True, None, torch.float32)}
     weights = load_file(tmp_path / "out" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
 
