@@ -190,10 +190,10 @@ def test_continuous_batching_gives_the_tokens_of_generate():
     """generate_batch (continuous batching) hands the model a paged cache as `cache`, which the attention
     fills through `cache.update(..., kwargs=...)` (since transformers 5.24; before, the attention function
     did): each prompt gets the tokens that generate() gives it alone."""
-    from hfgpt.cpu import unkernelize  # continuous batching refuses the backend's attention
+    from hfgpt.cpu import kernelize  # (the backend's step declines a paged cache: the model's own code runs)
 
     torch.manual_seed(0)
-    ours = unkernelize(GPTForCausalLM(GPTConfig(**TINY)).eval())
+    ours = kernelize(GPTForCausalLM(GPTConfig(**TINY)).eval())
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 9, 3)]
     config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
