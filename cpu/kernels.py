@@ -1,19 +1,10 @@
-"""hfgpt's C kernels (csrc/) as torch operators.
+"""hfgpt's C kernels (csrc/, loaded by `hfgpt.cpu.native`) as torch operators (`torch.ops.hfgpt.*`).
 
-Each kernel is a torch operator in the `hfgpt` namespace (`torch.ops.hfgpt.*`): a `torch.library.custom_op`
-or, for those a decoding step calls many times, one defined with `torch.library.Library` (`_decoding_op`).
-Each has a fake implementation (`register_fake`), so torch's dispatcher sees every call: FakeTensor and
-meta passes get shapes without running C, `make_fx` and `torch.compile` record the op, dispatch modes
-(FlopCounterMode, a profiler's timer) see it as one op of its own. None has a gradient: the backend runs
-them for inference only. Only real CPU tensors reach the implementations here, which hand their data pointers to the C code loaded
-by `hfgpt.cpu.native`.
-
-The callers in `hfgpt.cpu.products`, `hfgpt.cpu.decoding` and `hfgpt.cpu.quantization` decide where a kernel stands in for torch's
-ops (dtypes, strides, the CPU the library was built for: `available`); each implementation checks what the
-C code would misread and raises an error naming the argument.
-
-Every implementation passes torch's intra-op thread count (`torch.get_num_threads()`) to its kernel, which
-runs on OpenMP threads of its own.
+Each has a fake implementation (`register_fake`), so FakeTensor and meta passes get shapes without running
+C, and `make_fx`, `torch.compile` and dispatch modes (FlopCounterMode, profilers) see each call as one op.
+None has a gradient: inference only. The callers (`products`, `decoding`, `quantization`) decide where a
+kernel stands in for torch's ops (`available`); each implementation raises an error naming any argument the
+C code would misread, and runs its kernel on `torch.get_num_threads()` OpenMP threads of its own.
 """
 
 import ctypes
@@ -29,9 +20,7 @@ from . import native
 
 @torch.compiler.assume_constant_result
 def available(name: str) -> bool:
-    """Whether csrc/{name}.c is built and loaded (`native.kernel`). Every kernel but the int8 one is one
-    portable source that runs on any CPU (vectors as wide as the host's: AVX2, AVX-512, NEON); the int8
-    one has a portable loop beside its AVX-512 VNNI one."""
+    """Whether csrc/{name}.c is built and loaded (`native.kernel`); every kernel builds on any CPU."""
     return native.kernel(name) is not None
 
 
@@ -77,19 +66,15 @@ def _pointers(tensors: list[Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*map(Tensor.data_ptr, tensors))
 
 
-# The operators a decoding step calls once per layer or per product (decode attention, the one-row products,
-# the int8 copy's) are defined with torch.library's lower-level API (`Library.define` and `Library.impl` for
-# the CPU), not `custom_op`: the dispatcher sees them the same way (schema, fake implementation, profilers,
-# dispatch modes), but a call skips `custom_op`'s autograd wrapper in Python, which cost a GPT-2 decoding step
-# at batch size 1 about 45 us an operator. They have no gradient (their callers never pass tensors that need
-# one).
+# Operators are defined with `Library.define` and `Library.impl` (CPU) rather than `custom_op`: the dispatcher
+# sees them alike, but a call skips `custom_op`'s autograd wrapper in Python, which cost a GPT-2 decoding step
+# at batch size 1 about 45 us an operator.
 _DECODING = torch.library.Library("hfgpt", "FRAGMENT")
 
 
 def _decoding_op(function: Callable | None = None, *, mutates_args: tuple[str, ...] = ()) -> Callable:
-    """Define `function` (typed as `custom_op` takes it) as the CPU implementation of the operator
-    `hfgpt::<its name>` and return that operator (`torch.ops.hfgpt.<name>.default`); `mutates_args` names
-    the arguments it writes into, as `custom_op`'s."""
+    """Define `function` (typed as for `custom_op`) as the CPU implementation of `hfgpt::<its name>`, and
+    return `torch.ops.hfgpt.<name>.default`; `mutates_args` as `custom_op`'s."""
     if function is None:
         return functools.partial(_decoding_op, mutates_args=mutates_args)
     name = function.__name__
@@ -158,19 +143,12 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 # The packed int8 weight's layout (csrc/int8_linear.c): [ceil(out / TILE)][inp / 4][TILE][4] bytes, inp the
 # inputs rounded up to a multiple of BLOCK.
 INT8_BLOCK, INT8_TILE = 64, 32
-
-
-_DTYPE, _IS_CPU, _SHAPE = (
-    operator.attrgetter("dtype"),
-    operator.attrgetter("is_cpu"),
-    operator.attrgetter("shape"),
-)
+_DTYPE, _IS_CPU, _SHAPE = map(operator.attrgetter, ("dtype", "is_cpu", "shape"))
 
 
 def _all_contiguous(dtype: torch.dtype, tensors: Iterable[Tensor | None]) -> bool:
-    """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: what `_expect` and
-    `_contiguous` check, in one quick pass (C loops over the tensors) for the calls a decoding step makes
-    once per layer, or once for the whole step; where it fails, those name the tensor at fault."""
+    """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: `_expect` and `_contiguous`
+    in one quick pass (C loops) for the calls a step makes; where it fails, those name the tensor at fault."""
     tensors = [t for t in tensors if t is not None]
     return (
         set(map(_DTYPE, tensors)) <= {dtype}
@@ -239,14 +217,9 @@ def _(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
 
 @_decoding_op
 def int8_norm_linear(
-    x: Tensor,
-    norm_weight: Tensor | None,
-    norm_bias: Tensor | None,
-    eps: float,
-    packed: Tensor,
-    scale: Tensor,
+    x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, eps: float, packed: Tensor, scale: Tensor,
     bias: Tensor | None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """A layer norm of the rows of `x` (B, T, in) (skipped without `norm_weight`), then `int8_linear`:
     `Int8Block`'s ln_1 and c_attn in one call (csrc/int8_linear.c)."""
     checked = _all_contiguous(torch.float32, (x, norm_weight, norm_bias, scale, bias)) and _all_contiguous(
@@ -282,14 +255,9 @@ def _(x: Tensor, *rest: object) -> Tensor:
 
 @_decoding_op
 def int8_block_tail(
-    attention: Tensor,
-    hidden: Tensor,
-    pre_norm: bool,
-    norms: list[Tensor],
-    eps: float,
-    layers: list[Tensor],
+    attention: Tensor, hidden: Tensor, pre_norm: bool, norms: list[Tensor], eps: float, layers: list[Tensor],
     biases: list[Tensor | None],
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """The rest of an `Int8Block` after its attention, in one call (csrc/int8_linear.c): c_proj of the
     attention output (B*T, E), the residual sums with `hidden` (B, T, E), ln_2 and the MLP (c_fc, the tanh
     GELU, c_proj), and GPT-1's post-norms where not `pre_norm`. `norms`: ln_1 and ln_2's weight and bias;
@@ -349,12 +317,8 @@ def int8_fused_available() -> bool:
     return available("int8_linear") and bool(native.kernel("int8_linear").hfgpt_int8_fused_available())
 
 
-# Tensors per block in `int8_decode_step`'s `blocks` (csrc/int8_linear.c's LAYER_POINTERS): ln_1's weight and
-# bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales
-# and bias.
-INT8_BLOCK_TENSORS = 16
-# ... and in `float_decode_step`'s (csrc/row_product.c's): the same, each layer as weight and bias.
-FLOAT_BLOCK_TENSORS = 12
+# Tensors a block in `blocks` of `int8_decode_step` and `float_decode_step` (their csrc's LAYER_POINTERS)
+INT8_BLOCK_TENSORS, FLOAT_BLOCK_TENSORS = 16, 12
 HEAD_SIZE = 64  # the heads the C attention computes (csrc/decode_attention.h)
 
 
@@ -391,25 +355,12 @@ def _check_ids(op: str, name: str, ids: Tensor, size: int, rows: int) -> None:
 
 
 def _check_step(
-    op: str,
-    per_block: int,
-    ids: Tensor,
-    positions: Tensor,
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: list[Tensor],
-    keys: list[Tensor],
-    values: list[Tensor],
-    past: int,
-    mask: Tensor | None,
-    scalings: list[float],
-    final_norm: list[Tensor],
-    types: dict[torch.dtype, list[Tensor]],
-) -> int:
-    """What a decoding step's C code (`int8_decode_step`, `float_decode_step`) would misread, but for each
-    block's own shapes: raises a ValueError naming the argument at fault. `types`: the tensors of each
-    dtype, each one contiguous (the embeddings, caches and final norm among the float32 ones). Returns the
-    width."""
+    op: str, per_block: int, ids: Tensor, positions: Tensor, wte: Tensor, wpe: Tensor, blocks: list[Tensor],
+    keys: list[Tensor], values: list[Tensor], past: int, mask: Tensor | None, scalings: list[float],
+    final_norm: list[Tensor], types: dict[torch.dtype, list[Tensor]],
+) -> int:  # fmt: skip
+    """Raise a ValueError naming what a decoding step's C code would misread, but for each block's own
+    shapes. `types`: the tensors of each dtype, each one contiguous. Returns the width."""
     layers, rows = len(keys), ids.numel()
     if layers == 0 or len(values) != layers or len(scalings) != layers:
         raise ValueError(
@@ -420,8 +371,7 @@ def _check_step(
             f"hfgpt::{op}: needs {per_block} tensors a block ({len(blocks)} for {layers} blocks) "
             f"and 0 or 2 final norm tensors ({len(final_norm)})"
         )
-    # (one quick pass over every tensor, as a step runs once per token; where it fails, the loop after it
-    # names the tensor at fault)
+    # (one quick pass, as a step runs once per token; where it fails, the loop names the tensor at fault)
     if not all(_all_contiguous(dtype, group) for dtype, group in types.items()):
         for dtype, group in types.items():
             for t in group:
@@ -463,24 +413,10 @@ def _check_step(
 
 
 def _run_step(
-    library: str,
-    op: str,
-    ids: Tensor,
-    positions: Tensor,
-    wte: Tensor,
-    wpe: Tensor,
-    inner: int,
-    blocks: list[Tensor],
-    keys: list[Tensor],
-    values: list[Tensor],
-    past: int,
-    mask: Tensor | None,
-    scalings: list[float],
-    eps: float,
-    pre_norm: bool,
-    final_norm: list[Tensor],
-    final_eps: float,
-) -> Tensor:
+    library: str, op: str, ids: Tensor, positions: Tensor, wte: Tensor, wpe: Tensor, inner: int,
+    blocks: list[Tensor], keys: list[Tensor], values: list[Tensor], past: int, mask: Tensor | None,
+    scalings: list[float], eps: float, pre_norm: bool, final_norm: list[Tensor], final_eps: float,
+) -> Tensor:  # fmt: skip
     """Call csrc/{library}.c's `hfgpt_{op}` (decode_step.h's arguments) on checked arguments."""
     rows, width = ids.numel(), wte.shape[1]
     layers = len(keys)
@@ -501,21 +437,10 @@ def _run_step(
 
 @_decoding_op(mutates_args=("keys", "values"))
 def int8_decode_step(
-    ids: Tensor,
-    positions: Tensor,
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: list[Tensor],
-    keys: list[Tensor],
-    values: list[Tensor],
-    past: int,
-    mask: Tensor | None,
-    scalings: list[float],
-    eps: float,
-    pre_norm: bool,
-    final_norm: list[Tensor],
-    final_eps: float,
-) -> Tensor:
+    ids: Tensor, positions: Tensor, wte: Tensor, wpe: Tensor, blocks: list[Tensor], keys: list[Tensor],
+    values: list[Tensor], past: int, mask: Tensor | None, scalings: list[float], eps: float, pre_norm: bool,
+    final_norm: list[Tensor], final_eps: float,
+) -> Tensor:  # fmt: skip
     """One decoding step of an int8 decoding copy in one call (`hfgpt.cpu.decoding`, csrc/int8_linear.c):
     token `ids` at `positions` (B each) embedded with `wte` and `wpe`; every block (ln_1 and c_attn, the
     attention on the block's cache, c_proj, the residual sums, ln_2 and the MLP, GPT-1's post-norms where
@@ -535,21 +460,9 @@ def int8_decode_step(
     floats = [wte, wpe, *keys, *values, *final_norm, *vectors]
     types = {torch.uint8: packed, torch.float32: floats}
     width = _check_step(
-        op,
-        INT8_BLOCK_TENSORS,
-        ids,
-        positions,
-        wte,
-        wpe,
-        blocks,
-        keys,
-        values,
-        past,
-        mask,
-        scalings,
-        final_norm,
-        types,
-    )
+        op, INT8_BLOCK_TENSORS, ids, positions, wte, wpe, blocks, keys, values, past, mask, scalings,
+        final_norm, types,
+    )  # fmt: skip
     inner = blocks[11].numel()  # (c_fc's scales)
     # (c_attn, the attention's c_proj, c_fc, the MLP's c_proj: inputs, outputs and packed shape)
     shapes = [(width_in, width_out, _packed_shape(width_in, width_out)) for width_in, width_out in (
@@ -593,42 +506,19 @@ def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
 
 @_decoding_op(mutates_args=("keys", "values"))
 def float_decode_step(
-    ids: Tensor,
-    positions: Tensor,
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: list[Tensor],
-    keys: list[Tensor],
-    values: list[Tensor],
-    past: int,
-    mask: Tensor | None,
-    scalings: list[float],
-    eps: float,
-    pre_norm: bool,
-    final_norm: list[Tensor],
-    final_eps: float,
-) -> Tensor:
+    ids: Tensor, positions: Tensor, wte: Tensor, wpe: Tensor, blocks: list[Tensor], keys: list[Tensor],
+    values: list[Tensor], past: int, mask: Tensor | None, scalings: list[float], eps: float, pre_norm: bool,
+    final_norm: list[Tensor], final_eps: float,
+) -> Tensor:  # fmt: skip
     """`int8_decode_step` for a float32 model (`hfgpt.cpu.decoding`, csrc/row_product.c): `blocks` holds
     `FLOAT_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the attention's
     c_proj, c_fc and the MLP's c_proj, each as its Conv1D weight `[in, out]` and bias."""
     op, layers = "float_decode_step", len(keys)
     types = {torch.float32: [wte, wpe, *keys, *values, *final_norm, *blocks]}
     width = _check_step(
-        op,
-        FLOAT_BLOCK_TENSORS,
-        ids,
-        positions,
-        wte,
-        wpe,
-        blocks,
-        keys,
-        values,
-        past,
-        mask,
-        scalings,
-        final_norm,
-        types,
-    )
+        op, FLOAT_BLOCK_TENSORS, ids, positions, wte, wpe, blocks, keys, values, past, mask, scalings,
+        final_norm, types,
+    )  # fmt: skip
     inner = blocks[9].numel()  # (c_fc's bias)
     shapes = [(width, 3 * width), (width, width), (width, inner), (inner, width)]
     expected = [(width,)] * 4 + [
