@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from harness import publish  # the sibling module (python benchmarks/lowp_accuracy.py)
+from harness import host_line, machine_info, publish  # (a sibling: python benchmarks/lowp_accuracy.py)
 from transformers import AutoTokenizer
 
 from hfgpt.cpu import quantize_for_decoding
@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         "model": args.model or f"GPT-2 {'tiny' if args.tiny else '124M'} shapes, trained here",
+        "machine": machine_info("cpu"),
         "training": training,
         "held_out_tokens": held_out.numel(),
         "eval_shape": list(eval_rows.shape),
@@ -229,7 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"Model: {report['model']}."]
+    host = host_line(report["machine"]) if "machine" in report else "not recorded"
+    lines = [f"Model: {report['model']}. Host: {host}."]
     if report["training"]:
         t = report["training"]
         lines.append(

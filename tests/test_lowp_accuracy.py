@@ -5,6 +5,7 @@ same reference figures; bad input names what is at fault."""
 import json
 import math
 
+import harness
 import lowp_accuracy  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 
@@ -50,7 +51,11 @@ def test_a_saved_model_evaluated_through_model_gives_the_same_reference(trained,
     assert again["figures"]["float32"]["loss"] == pytest.approx(
         report["figures"]["float32"]["loss"], rel=1e-5
     )
-    assert "| int8 weights |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| int8 weights |" in printed
+    # the figures name the host they were measured on, and the table's first line says it
+    assert again["machine"]["cpu"] == harness.cpuinfo()["name"] and again["machine"]["threads"] >= 1
+    assert f"Host: {again['machine']['host']}." in printed.splitlines()[0]
 
 
 def test_bad_input_names_the_path(tmp_path, capsys):
