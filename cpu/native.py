@@ -1,38 +1,23 @@
-"""hfgpt's C kernels (`cpu/csrc/`), built on first use with the machine's C compiler and loaded with
-ctypes: no build step at install time and no torch headers, so a build is one short compiler call.
-`hfgpt.cpu.kernels` makes each of their entry points a torch operator (`torch.ops.hfgpt.*`).
+"""hfgpt's C kernels (`cpu/csrc/`), built on first use with the machine's C compiler and loaded with ctypes:
+no build step at install time and no torch headers (docs/cpu-backend.md, "The C kernels"); `hfgpt.cpu.kernels`
+makes their entry points torch operators.
 
-The library is compiled with `-O3 -march=native -fopenmp` into a cache folder (`$HFGPT_CACHE_DIR`, else
-`$XDG_CACHE_HOME/hfgpt` or `~/.cache/hfgpt`), under a name that hashes the source, all of csrc's headers
-(a changed header rebuilds every kernel), the flags, the compiler command (`CC` with its arguments) and
-its version, and the CPU's flags, so a changed source, compiler or setting, or another machine sharing the
-folder, builds its own copy. It is written under a temporary name and renamed into place, so that two
-processes building at once (pytest-xdist) never load a half-written file.
+A library's name hashes its source, csrc's headers (a changed header rebuilds every kernel), the flags, the
+compiler command and version and the CPU's flags, so another source, compiler, setting or machine sharing the
+cache folder builds its own copy. It is written under a temporary name and renamed into place, so that two
+processes building at once (pytest-xdist) never load a half-written file. `HFGPT_CFLAGS` (split as a shell
+would) follows hfgpt's flags so that it wins where they conflict (GCC and Clang take the last `-march`): e.g.
+`-march=x86-64-v3` for the oldest CPU of a fleet sharing one cache, or `.ci/as-avx2`.
 
-`HFGPT_CFLAGS` holds extra compiler flags (split as a shell would), placed after hfgpt's own, so that they
-win where they conflict: GCC and Clang take the last `-march`. `HFGPT_CFLAGS=-march=x86-64-v3` builds the
-kernels for any x86-64 CPU with AVX2 and FMA instead of for this one, e.g. for the oldest CPU of a fleet
-whose machines share one cache folder and one set of libraries, or to test the AVX2 build on an AVX-512
-machine (`.ci/as-avx2`). It is read at each build and is part of the library's name. It applies to the
-kernels that `kernel()` builds (`build(name)` without `flags`); a caller passing `flags` gets exactly
-those.
+Loading a library runs its code, so the cache is trusted only as a careful build cache would be (OpenSSH's
+StrictModes): folders made 0700; the cache folder and the library owned by this user (or root) and writable
+by no one else (a group bit allowed for the user's private group, as a umask of 002 makes); each folder above
+owned by this user or root and writable by no one else, or sticky (/tmp). Otherwise one warning names the path
+and the reason, and this process builds into a private temporary folder (mkdtemp, removed at exit).
 
-Loading a library runs its code in this process, so the cache is only trusted as a careful build cache
-would (OpenSSH's StrictModes): the folders it makes are 0700; the cache folder and the library must be
-owned by this user (or root) and writable by no one else (a group write bit is allowed for the user's own
-private group, as a umask of 002 makes); each folder above must be owned by this user or root and be
-writable by no one else, or sticky (as /tmp). Where that fails, one warning names the path and the
-reason, and this process builds its kernels into a private temporary folder (mkdtemp, 0700, removed at
-exit) instead; where even that one fails, callers run torch. The cache path is made absolute once per
-setting (a relative `HFGPT_CACHE_DIR` against the working folder of its first use; a relative
-`XDG_CACHE_HOME` is ignored, as the XDG spec asks), so a later chdir never moves it.
-
-Its OpenMP calls use the runtime torch has already loaded where both are GNU's (`libgomp.so.1`, as
-torch's Linux wheels and gcc have): one pool of threads. A compiler with another OpenMP runtime (clang's
-libomp) still works, with a second pool beside torch's. Where there is no compiler, `kernel()` returns
-None after one warning naming the command and its error, and callers use their torch implementation of
-the same arithmetic; `HFGPT_NATIVE=0` (read at the first call) does the same without a warning.
-`CC` may hold arguments (`CC="ccache gcc"`).
+OpenMP calls use torch's runtime where both are GNU's (`libgomp.so.1`): one pool of threads; clang's libomp
+works, with a second pool. Without a compiler, `kernel()` returns None after one warning and callers run
+torch; `HFGPT_NATIVE=0` (read at the first call) does the same without a warning.
 """
 
 import atexit
@@ -107,10 +92,9 @@ class NativeBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where the compiled libraries go, as an absolute path: `$HFGPT_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/hfgpt` (an absolute XDG_CACHE_HOME only: the XDG spec has a relative one ignored),
-    else `~/.cache/hfgpt`. A relative HFGPT_CACHE_DIR is resolved against the working folder at the first
-    call with that setting, and stays there: a later chdir does not move the cache."""
+    """Where the compiled libraries go: `$HFGPT_CACHE_DIR`, else `$XDG_CACHE_HOME/hfgpt` (an absolute one
+    only, as the XDG spec asks), else `~/.cache/hfgpt`. Made absolute once per setting, against the working
+    folder of its first use, so that a later chdir never moves the cache."""
     return _absolute_cache_dir(
         os.environ.get("HFGPT_CACHE_DIR", ""), os.environ.get("XDG_CACHE_HOME", ""), os.path.expanduser("~")
     )
@@ -342,8 +326,7 @@ def build(name: str, flags: tuple[str, ...] | None = None, directory: Path | Non
 
 def load(path: Path, name: str) -> ctypes.CDLL:
     """Load a library built by `build(name)` and declare its functions; checks the int8 weight layout.
-    Raises `NativeBuildError` where the file, its folder or a folder above fails the cache's checks (see
-    the module's docstring)."""
+    Raises `NativeBuildError` where the file or a folder above it fails the cache's checks."""
     path = Path(os.path.realpath(path))
     try:
         _trusted_folder(path.parent, create=False)
@@ -381,10 +364,4 @@ def kernel(name: str) -> ctypes.CDLL | None:
         return None
 
 
-__all__ = [
-    "NativeBuildError",
-    "build",
-    "cache_dir",
-    "kernel",
-    "load",
-]
+__all__ = ["NativeBuildError", "build", "cache_dir", "kernel", "load"]
