@@ -1,20 +1,13 @@
-"""A decoding step of a whole model in one call into C (csrc/decode_step.h), for float32 models and for the
-int8 decoding copy.
+"""A decoding step of a whole model in one call into C (csrc/decode_step.h), for float32 models and the int8
+decoding copy (docs/cpu-backend.md). Block by block, a GPT-2 step makes about 40 calls into C and torch with
+Python between them: at one row its blocks took about 1.5x as long as in one call (benchmarks/RESULTS.md).
 
-Block by block, a decoding step of GPT-2 makes about 40 calls into C and torch with Python between them
-(the attention's reshapes, the cache's writes): at one row its blocks took about 1.5x as long as in one call
-(benchmarks/RESULTS.md). `decoding_step` runs the embeddings, every block with its attention on the cache,
-and the final layer norm in one OpenMP parallel region (`torch.ops.hfgpt.float_decode_step` or
-`int8_decode_step`), wherever that computes what the model's own code would; everywhere else it declines
-and the caller runs the model.
-
-"What the model's own code would compute" is decided from the model as it is at that call: the modules
-and their classes, the methods of those classes (`watch_code`), hooks, parameters (identity, layout, dtype,
-device), the attention function transformers' registry holds. The full checks run once per model and
-are then watched (`_StepWatch`): a step finds everything unchanged in a few microseconds.
-
-Each kind of block the step computes registers a `StepKind` in `STEP_KINDS`: the plain `GPTBlock` with its
-Conv1D layers (here), the int8 copy's `Int8Block` (`hfgpt.cpu.quantization`).
+`decoding_step` runs the embeddings, every block and the final layer norm in one OpenMP parallel region
+wherever that computes what the model's own code would, decided from the model as it is at that call (its
+modules and their classes' methods (`watch_code`), hooks, parameters, transformers' attention registry);
+elsewhere it declines and the caller runs the model. The full checks run once per model and are then watched
+(`_StepWatch`). Each kind of block the step computes registers a `StepKind` in `STEP_KINDS` (`GPTBlock`
+here, `Int8Block` in `hfgpt.cpu.quantization`).
 """
 
 import operator
@@ -101,20 +94,12 @@ def code_unchanged() -> bool:
 
 
 def decoding_step(
-    model: GPTModel,
-    input_ids: torch.LongTensor | None,
-    cache: Any,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.LongTensor | None,
-    use_cache: bool | None,
-    kwargs: dict[str, Any],
-) -> BaseModelOutputWithPast | None:
+    model: GPTModel, input_ids: torch.LongTensor | None, cache: Any, attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None, use_cache: bool | None, kwargs: dict[str, Any],
+) -> BaseModelOutputWithPast | None:  # fmt: skip
     """What `model(input_ids, cache=cache, ...)` returns, computed in one call into C, or None (nothing run,
-    nothing changed) where this forward is not one decoding step that the kernel computes exactly as the
-    model's own code would (`decodes_in_one_call`): then the caller runs the model.
-
-    The step's attention reads the cache's keys and values from buffers with spare positions
-    (`hfgpt.cpu.cache.GrowingLayer`) and writes the new ones into them."""
+    nothing changed) where `decodes_in_one_call` says no. The cache's layers become `GrowingLayer`s
+    (`hfgpt.cpu.cache`), into whose buffers the step writes its keys and values."""
     if "past_key_values" in kwargs:  # (the cache's name before transformers 5.24)
         if cache is not None:
             return None
@@ -125,14 +110,9 @@ def decoding_step(
 
 
 def decodes_in_one_call(
-    model: GPTModel,
-    input_ids: torch.Tensor | None,
-    cache: Any,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    use_cache: bool | None,
-    kwargs: dict[str, Any],
-) -> bool:
+    model: GPTModel, input_ids: torch.Tensor | None, cache: Any, attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None, use_cache: bool | None, kwargs: dict[str, Any],
+) -> bool:  # fmt: skip
     """Whether the one-call step computes this forward of `model` as `model(...)` would: one new token per
     sequence, given as ids, on top of a plain `DynamicCache` of the earlier positions (as `generate()` passes
     it), with a 2-D attention mask or none, no gradient, no training, no output of attentions or hidden
@@ -213,12 +193,9 @@ def decodes_in_one_call(
 
 def step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
     """The tensors the step reads (wte's and wpe's weights, each block's `StepKind.block_tensors`, the
-    final norm's weight and bias), or None where the kernel would not compute what the modules do.
-
-    The full checks (`_kernel_computes`) run once; what they read is then watched (`_StepWatch`): the
-    modules, tensors and settings as the same objects under the same names, no hook, dropout's modules
-    in eval mode. A step finds them unchanged in a few microseconds, where the checks take a
-    sizeable share of a step; anything changed runs the full checks again."""
+    final norm's weight and bias), or None where the kernel would not compute what the modules do. The full
+    checks (`_kernel_computes`), a sizeable share of a step, run again only where `_StepWatch` finds a
+    change; finding none takes a few microseconds."""
     watch = _WATCHES.get(model)
     if watch is None or not watch.unchanged():
         kind = _kernel_computes(model)
@@ -282,12 +259,9 @@ def _kernel_computes(model: GPTModel) -> StepKind | None:
 
 
 def _decoding_step(
-    model: GPTModel,
-    input_ids: torch.Tensor,
-    cache: DynamicCache,
-    attention_mask: torch.Tensor | None,
+    model: GPTModel, input_ids: torch.Tensor, cache: DynamicCache, attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-) -> BaseModelOutputWithPast | None:
+) -> BaseModelOutputWithPast | None:  # fmt: skip
     """The step `decodes_in_one_call` allows, or None where the attention mask hides a row's new token
     (whose output the kernel's attention would make zeros; `GPTModel.forward` decides what it is)."""
     batch = input_ids.shape[0]
@@ -315,21 +289,11 @@ def _decoding_step(
     layers = cache.layers
     buffers = [layer.reserve(1) for layer in layers]
     hidden = getattr(kernels, kind.step)(
-        input_ids.reshape(batch).contiguous(),
-        positions,
-        tensors[0],
-        tensors[1],
-        tensors[2:end],
-        [keys for keys, _ in buffers],
-        [values for _, values in buffers],
-        past,
-        mask,
-        [block.attn.scaling for block in blocks],
-        blocks[0].ln_1.eps,
-        blocks[0].pre_norm,
-        tensors[end:],
+        input_ids.reshape(batch).contiguous(), positions, tensors[0], tensors[1], tensors[2:end],
+        [keys for keys, _ in buffers], [values for _, values in buffers], past, mask,
+        [block.attn.scaling for block in blocks], blocks[0].ln_1.eps, blocks[0].pre_norm, tensors[end:],
         1e-5 if ln_f is None else ln_f.eps,
-    )
+    )  # fmt: skip
     for layer in layers:
         layer.advance(1)
     return BaseModelOutputWithPast(last_hidden_state=hidden.view(batch, 1, -1), **{CACHE_FIELD: cache})
@@ -367,14 +331,9 @@ class _StepWatch:
         self.tensor(wte, "weight"), self.tensor(wpe, "weight")
         for index in h._modules:
             block = self.module(h._modules, index, modal=True)
-            attn, mlp = (
-                self.module(block._modules, "attn", modal=True),
-                self.module(block._modules, "mlp", modal=True),
-            )
-            (
-                self.module(attn._modules, "resid_dropout", modal=True),
-                self.module(mlp._modules, "dropout", modal=True),
-            )
+            attn, mlp = (self.module(block._modules, name, modal=True) for name in ("attn", "mlp"))
+            self.module(attn._modules, "resid_dropout", modal=True)
+            self.module(mlp._modules, "dropout", modal=True)
             norms = [self.module(block._modules, name) for name in ("ln_1", "ln_2")]
             layers = [self.module(attn._modules, name) for name in ("c_attn", "c_proj")]
             layers += [self.module(mlp._modules, name) for name in ("c_fc", "c_proj")]
