@@ -1,10 +1,7 @@
-"""Copies of the model for CPU decoding: with int8 or bfloat16 weights (faster), or the float32 model's own
-layers with its weights in huge pages (as fast as the model).
-
-One decoding step streams every weight once, so float32 decoding is bound by how fast the matrix-vector
-kernels read the weights; int8 weights read a quarter of the bytes, bfloat16 half. `benchmarks/
-bench_model.py` (section `lowp`) measures the speed and the accuracy cost (logit error, top-1 and greedy
-agreement) beside float32.
+"""Copies of the model for CPU decoding (docs/cpu-backend.md, "Decoding copies"): int8 or bfloat16 weights,
+or the float32 model's own layers with its weights in huge pages. A decoding step streams every weight once,
+so it is bound by how fast the weights are read: int8 reads a quarter of float32's bytes, bfloat16 half.
+`benchmarks/bench_model.py` (section `lowp`) measures the speed and the accuracy cost beside float32.
 """
 
 import copy
@@ -54,9 +51,8 @@ class DecodingLinear(nn.Linear):
         return out.view(*x.shape[:-1], -1)
 
 
-# The int8 kernel's constants (cpu/csrc/int8_linear.c).
-INT8_BLOCK = 64  # inputs of a row that share one activation scale
-INT8_TILE = 32  # output channels packed together
+# inputs of a row that share one activation scale, and output channels packed together (csrc/int8_linear.c)
+INT8_BLOCK, INT8_TILE = kernels.INT8_BLOCK, kernels.INT8_TILE
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -87,27 +83,18 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights (one scale per output channel: max |row| / 127, values in
     [-127, 127]) and int8 activations with one scale per 64 consecutive inputs of a row, for CPU
-    inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised
-    layers: the outputs never require one).
+    inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised layers).
 
-    The product runs in hfgpt's C kernel (`cpu/csrc/int8_linear.c`: AVX-512 VNNI, AVX-VNNI or AVX2 where the
-    CPU has it, with the same results, a portable loop elsewhere; built on first use by `hfgpt.cpu.native`;
-    `torch.ops.hfgpt.int8_linear`): it reads the packed weight once per call, one contiguous
-    stream per 32 output channels, so one decoding step is bound by memory, not arithmetic, and the one
-    stream reads GPT-2's weights at one row faster than torch.ao's fbgemm product (benchmarks/RESULTS.md).
-    Without a C compiler `reference` computes the same arithmetic in torch, slower. Activation scales per
-    64 inputs keep an outlier channel from flattening the rest of its row, which a scale per row (or per
-    batch, as fbgemm's dynamic quantisation) does.
-    """
+    The product (`torch.ops.hfgpt.int8_linear`, csrc/int8_linear.c) reads the packed weight once per call,
+    one contiguous stream per 32 output channels: at one row faster than torch.ao's fbgemm product
+    (benchmarks/RESULTS.md). Without a C compiler `reference` computes the same arithmetic in torch, slower.
+    Scales per 64 inputs keep an outlier channel from flattening the rest of its row, as a scale per row (or
+    per batch, as fbgemm's dynamic quantisation) does."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        packed: torch.Tensor,
-        scale: torch.Tensor,
+        self, in_features: int, out_features: int, packed: torch.Tensor, scale: torch.Tensor,
         bias: torch.Tensor | None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.packed_in = _round_up(in_features, INT8_BLOCK)
@@ -214,13 +201,11 @@ class Int8Linear(nn.Module):
 
 
 class Int8Block(GPTBlock):
-    """A block of an int8 decoding copy: the same modules and the same order of operations as `GPTBlock`,
-    run in two calls of hfgpt's C kernel around the attention where they can be (`fuses`):
-    `hfgpt_int8_norm_linear` (ln_1 and c_attn) and `hfgpt_int8_block_tail` (c_proj, the residual sums,
-    ln_2, the MLP; GPT-1's post-norms too), instead of about 20 torch ops and module calls a block, whose
-    overhead outside the products was a sizeable share of an int8 decoding step. The products are the same
-    as `Int8Linear`'s; the layer norms and the GELU are the kernel's own, which agree with torch's to float
-    rounding (tests/test_int8_block.py measures what that does to the logits)."""
+    """A block of an int8 decoding copy: `GPTBlock`'s modules and order of operations, run where it can be
+    (`fuses`) in two C calls around the attention, `int8_norm_linear` (ln_1, c_attn) and `int8_block_tail`
+    (the rest), instead of about 20 torch ops and module calls, whose overhead was a sizeable share of an int8
+    decoding step. The products are `Int8Linear`'s; the layer norms and the GELU are the kernel's own, equal
+    to torch's to float rounding (tests/test_int8_block.py measures what that does to the logits)."""
 
     @classmethod
     def of(cls, block: GPTBlock) -> "Int8Block":
@@ -284,12 +269,9 @@ class Int8Block(GPTBlock):
         return kernels.int8_fused_available()
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: Any = None,
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         if not self.fuses(hidden_states):
             return super().forward(hidden_states, attention_mask, cache, **kwargs)
         attn, _, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = self._parts()
@@ -301,14 +283,10 @@ class Int8Block(GPTBlock):
         output = output.reshape(batch * seq_len, width).contiguous()  # (B*T, E)
         layers = (c_proj, c_fc, mlp_proj)
         return kernels.int8_block_tail(
-            output,
-            h,
-            self.pre_norm,
-            [ln_1.weight, ln_1.bias, ln_2.weight, ln_2.bias],
-            ln_1.eps,
+            output, h, self.pre_norm, [ln_1.weight, ln_1.bias, ln_2.weight, ln_2.bias], ln_1.eps,
             [t for layer in layers for t in _kernel_layer(layer)[:2]],
             [_kernel_layer(layer)[2] for layer in layers],
-        )
+        )  # fmt: skip
 
 
 def _attend(
@@ -400,13 +378,10 @@ DECODING_COPY_ATTRIBUTE = "hfgpt_decoding_dtype"
 
 
 def decoding_copy_error(model: Any, action: str) -> str | None:
-    """The message refusing `action` (saving, pushing, exporting) on a copy made by
-    `quantize_for_decoding`, or None for any other model.
-
-    Such a copy cannot be written as a checkpoint: its `nn.Linear` weights are `[out, in]` under the keys
-    of Conv1D's `[in, out]` ones (float32, bfloat16: `from_pretrained` refuses the non-square ones and
-    loads a square `c_proj` transposed, without a word), or packed int8 parameters that safetensors cannot
-    hold."""
+    """The message refusing `action` (saving, pushing, exporting) on a copy made by `quantize_for_decoding`,
+    or None for any other model. Such a copy's `nn.Linear` weights are `[out, in]` under the keys of Conv1D's
+    `[in, out]` ones (`from_pretrained` refuses the non-square ones and loads a square `c_proj` transposed,
+    without a word), or packed int8 buffers that safetensors cannot hold."""
     dtype = getattr(model, DECODING_COPY_ATTRIBUTE, None)
     return None if dtype is None else _decoding_copy_message(action, dtype)
 
@@ -433,27 +408,18 @@ def _mark_decoding_copy(model: GPTPreTrainedModel, dtype: torch.dtype) -> GPTPre
 
 def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.qint8) -> GPTPreTrainedModel:
     """A copy of `model` with int8 (`torch.qint8`, the default), `torch.bfloat16` or `torch.float32`
-    weights for CPU inference; `model` itself is left untouched.
+    weights for CPU inference; `model` itself is left untouched (docs/cpu-backend.md).
 
-    - float32: the model's own layers and values, bit for bit, its weights in huge pages (below): each
-      decoding step in one call into C, as the model's (`hfgpt.cpu.decoding`), and as fast
-      (benchmarks/RESULTS.md). It holds a second set of weights: drop the original when memory matters.
-    - int8: every Conv1D and `nn.Linear` becomes an `Int8Linear`: int8 weights with one scale per
-      output channel, activations quantised at run time with one scale per 64 inputs, products in
-      hfgpt's C kernel (built on first use; without a C compiler, a warning and a slower torch version
-      of the same arithmetic). The LM head, tied to `wte`, gets its own int8 copy while the embedding
-      lookup stays float32. Each block becomes an `Int8Block`, which runs in two C calls around its
-      attention wherever nothing (a hook, training, gradients) needs the block's modules called, and a
-      decoding step of the whole model runs in one C call (`hfgpt.cpu.decoding`).
-    - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear` (at
-      one row on hfgpt's C kernel, `one_row_bfloat16`, which decodes markedly faster than torch's bfloat16
-      product).
-      For one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's
-      `[in, out]`, which a plain `model.to(torch.bfloat16)` would keep.
-    Its weights then share one mapping advised into transparent huge pages (`huge_pages`, Linux), which
-    a decoding step streams faster than 4 KiB pages (fewer TLB misses; benchmarks/RESULTS.md).
-    The copy is for inference: its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse
-    it (ValueError); save the float32 model instead.
+    - float32: the model's own layers and values, bit for bit, and as fast (benchmarks/RESULTS.md); a
+      second set of weights: drop the original when memory matters.
+    - int8: every Conv1D and `nn.Linear` (the LM head too: its own int8 copy of the tied `wte`, whose
+      lookup stays float32) becomes an `Int8Linear`, each block an `Int8Block`.
+    - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear`:
+      for one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's `[in, out]`,
+      which a plain `model.to(torch.bfloat16)` would keep.
+    Its weights then share one mapping advised into transparent huge pages (`huge_pages`), which a decoding
+    step streams faster. Its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse it
+    (ValueError): save the float32 model instead.
     """
     if dtype not in (torch.qint8, torch.bfloat16, torch.float32):
         raise ValueError(
