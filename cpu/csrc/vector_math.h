@@ -1,5 +1,4 @@
-/* Portable vector helpers shared by hfgpt's C kernels (row_product.c, int8_linear.c, and the decoding step
- * of decode_step.h they both build). cpu/native.py's build hashes this header with each source.
+/* Portable vector helpers shared by hfgpt's C kernels (cpu/native.py's build hashes every header).
  *
  * `vf` is a vector of LANES floats in GCC/Clang's vector extensions, as wide as the host's widest float
  * vectors under -march=native: 16 lanes with AVX-512, 8 with AVX (AVX2 machines), 4 elsewhere (SSE2,
@@ -7,8 +6,8 @@
  * a * b + c into an FMA where the CPU has one (GCC and Clang contract within an expression by default), so
  * one source runs on AVX2, AVX-512 and NEON, and is what CI tests.
  *
- * `exp_v` and `sigmoid_parts_v` are the only transcendental pieces: exp as a degree-6 polynomial scaled by
- * 2^n, the tanh GELU as x sigmoid(2u). */
+ * `exp_v` and `gelu_v` are the only transcendental pieces: exp as a degree-6 polynomial scaled by 2^n, the
+ * tanh GELU as x sigmoid(2u). */
 #ifndef HFGPT_VECTOR_MATH_H
 #define HFGPT_VECTOR_MATH_H
 #include <stdint.h>
@@ -167,34 +166,19 @@ static inline vf exp_v(vf x)
     return exp_clamped_v(vselect(x > hi, hi, x));
 }
 
-/* exp(x), and exactly 0 where x lies below -103 (so that exp(-inf) is 0); a NaN stays NaN. */
-static inline vf exp_or_zero(vf x) { return vkeep(~(x < -103.0f), exp_v(x)); }
-
-/* The tanh GELU as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), for the
- * decoding step's MLP. */
 static const float SQRT_2_OVER_PI = 0.7978845608028654f, CUBIC = 0.044715f, LIMIT = 10.0f;
 
-/* For each lane x: *s = sigmoid(2u) (0 below -LIMIT), *es = 1 - s, and *dv = 2u' x, each from x clamped to
- * [-LIMIT, LIMIT] (where exp(-2u) lies in [1e-38, 1e38], so e s never overflows; beyond it the GELU is x,
- * or 0 to 1e-37). A NaN stays NaN. */
-static inline void sigmoid_parts_v(vf x, vf *s, vf *es, vf *dv)
+/* The tanh GELU of each lane as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), the sigmoid (0 below
+ * -LIMIT) from x clamped to [-LIMIT, LIMIT], where exp(-2u) lies in [1e-38, 1e38] (beyond it the GELU is x, or
+ * 0 to 1e-37). A NaN stays NaN. */
+static inline vf gelu_v(vf x)
 {
     const vf xc = max_v(vsplat(-LIMIT), min_v(vsplat(LIMIT), x)); /* (a NaN x gives x) */
     const vf x2 = xc * xc;
     const vf u = (xc * SQRT_2_OVER_PI) * (x2 * CUBIC + 1.0f);
     const vf e = exp_bounded_v(u * -2.0f); /* (|2u| <= 87.3 for |x| <= 10) */
     const vf sig = 1.0f / (e + 1.0f);
-    *s = vkeep(~(x < -LIMIT), sig);
-    *es = e * sig; /* 1 - s without the cancellation of 1 - s */
-    *dv = ((2.0f * SQRT_2_OVER_PI) * xc) * (x2 * (3.0f * CUBIC) + 1.0f);
-}
-
-/* The tanh GELU of each lane. */
-static inline vf gelu_v(vf x)
-{
-    vf s, es, dv;
-    sigmoid_parts_v(x, &s, &es, &dv);
-    return x * s;
+    return x * vkeep(~(x < -LIMIT), sig);
 }
 
 #endif
