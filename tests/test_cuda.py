@@ -36,17 +36,19 @@ def test_logits_and_classifier_scores_equal_transformers_on_cuda(norm, attn):
 
 @pytest.mark.parametrize("norm", NORMS)
 def test_the_cpu_backend_leaves_a_cuda_model_plain(norm):
-    """A model built on the CPU (kernelized) and moved to CUDA computes the plain model, and the backend
-    takes itself out at its first forward there; `kernelize` on the CUDA model puts it back, with the same
-    logits."""
+    """A model built on the CPU (kernelized) and moved to CUDA computes the plain model, prompt and decoding
+    step alike, with nothing of the backend's on its modules; `unkernelize` gives the same logits."""
     _, ours = on_cuda(GPTForCausalLM, norm)
     ids = random_ids().to(CUDA)
+    kernelize(ours)
     with torch.no_grad():
-        before = ours(ids).logits
-        assert not is_kernelized(ours)
-        kernelize(ours)
+        out = ours(ids[:, :-1], use_cache=True)
+        before = ours(ids[:, -1:], cache=getattr(out, CACHE_FIELD)).logits
         assert is_kernelized(ours)
-        after = ours(ids).logits
+        assert all("forward" not in module.__dict__ for module in ours.modules())
+        unkernelize(ours)
+        out = ours(ids[:, :-1], use_cache=True)
+        after = ours(ids[:, -1:], cache=getattr(out, CACHE_FIELD)).logits
     torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)
 
 
@@ -202,7 +204,7 @@ def test_cuda_graph_decoding_gives_the_tokens_of_eager_decoding(norm, batch):
 @pytest.mark.parametrize("norm", NORMS)
 def test_continuous_batching_on_cuda_gives_the_tokens_of_generate(norm):
     _, ours = on_cuda(GPTForCausalLM, norm)
-    unkernelize(ours)  # continuous batching refuses the backend's attention
+    kernelize(ours)  # (its step declines a paged cache, as a CUDA model: the model's own code runs)
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (5, 9, 3, 12)]
     config = transformers.GenerationConfig(
         max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0

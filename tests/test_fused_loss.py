@@ -207,18 +207,18 @@ def test_a_custom_loss_function_and_logits_to_keep_take_the_plain_path():
     torch.testing.assert_close(out.loss, out.logits.mean())
 
 
-def test_the_fused_loss_applies_to_a_head_the_cpu_backend_swapped():
-    """A model built on the CPU, as `from_pretrained` builds it, holds the CPU backend's LM head; moved to a
-    GPU, the backend's forward calls the plain `GPTForCausalLM.forward`, which must still fuse the head and
-    its loss (called here directly, on the CPU). A head whose forward a user replaced keeps the plain path."""
+def test_the_fused_loss_applies_to_a_kernelized_model():
+    """A model built on the CPU, as `from_pretrained` builds it, runs the CPU backend, which sets nothing on
+    its LM head: its training forward (the model file's) fuses the head and its loss. A head whose forward a
+    user replaced keeps the plain path."""
     model = kernelize(plain_model("pre"))
-    assert "forward" in model.lm_head.__dict__  # the backend's head
+    assert "forward" not in model.lm_head.__dict__  # (nothing of the backend's on the head)
     ids = random_ids(2, 8)
-    fused = GPTForCausalLM.forward(model, ids, labels=ids)
+    fused = model(ids, labels=ids)
     assert fused.logits is None
     head = model.lm_head
     head.forward = lambda hidden: torch.nn.functional.linear(hidden, head.weight)
-    plain = GPTForCausalLM.forward(model, ids, labels=ids)
+    plain = model(ids, labels=ids)
     assert plain.logits is not None
     torch.testing.assert_close(fused.loss, plain.loss, atol=1e-5, rtol=1e-5)
 
