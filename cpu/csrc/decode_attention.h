@@ -1,6 +1,5 @@
-/* One decoding step of one attention head, for the whole-step kernels of decode_step.h (float32 and int8
- * models alike), so that both compute the same numbers. cpu/native.py's build
- * hashes this header with each source. Heads of HEAD_SIZE (64) floats: every GPT-1 and GPT-2 size. */
+/* One decoding step of one attention head, shared by decode_step.h's float32 and int8 steps so that both
+ * compute the same numbers. Heads of HEAD_SIZE (64) floats: every GPT-1 and GPT-2 size. */
 #ifndef HFGPT_DECODE_ATTENTION_H
 #define HFGPT_DECODE_ATTENTION_H
 #include <math.h>
@@ -11,12 +10,10 @@
 
 #define HEAD_SIZE 64
 
-/* One decoding step of one head: the single query q against T cached keys and values (rows at strides kst,
- * vst), into out. Keys j with mask[j] == 0 (mask NULL: none) are never read, and neither are their value
- * rows: their weights are exactly 0. Scratch: s [T]. The scores are dot products of 64 floats
- * (HEAD_SIZE / LANES vector FMAs, then a sum), then the same exact softmax as attention.c's head_forward over
- * the keys attended, then the weighted sum of their value rows, two keys at a time. No key attended: zeros,
- * as sdpa. */
+/* The single query q against T cached keys and values (rows at strides kst, vst), into o. Keys j with
+ * mask[j] == 0 (mask NULL: none) and their value rows are never read: their weights are exactly 0. Scratch:
+ * s [T]. Dot products of 64 floats, an exact softmax over the keys attended, then the weighted sum of their
+ * value rows, two keys at a time. No key attended: zeros, as sdpa. */
 static inline void head_decode(const float *q, const float *k, int64_t kst, const float *v, int64_t vst,
                                const uint8_t *mask, int64_t T, float scale, float *s, float *o)
 {
