@@ -1,7 +1,5 @@
 /* A transformer block, and a whole decoding step, in one parallel region, whatever the weights' format:
- * shared by int8_linear.c (the int8 decoding copy, `hfgpt_int8_decode_step` and the fused block calls) and
- * row_product.c (the float32 model, `hfgpt_float_decode_step`). cpu/native.py's build hashes this header
- * with each source.
+ * shared by int8_linear.c (the int8 decoding copy) and row_product.c (the float32 model).
  *
  * The including file defines, before including it:
  *   layer_t     one linear layer's weights in its format, with a field `out` (its outputs);
@@ -19,7 +17,7 @@
  *                 post-norm: h1 = LN1(h + P(a));  out = LN2(h1 + M(h1))
  *                 M(x) = W_proj gelu(W_fc x + b_fc) + b_proj, P(a) = W_o a + b_o
  * The residual sums are plain float sums, as in the unfused block; the layer norms and the tanh GELU are
- * computed here (gelu.c's formula), and so differ from torch's by float rounding. */
+ * computed here (vector_math.h's), and so differ from torch's by float rounding. */
 #ifndef HFGPT_DECODE_STEP_H
 #define HFGPT_DECODE_STEP_H
 #include <math.h>
@@ -66,7 +64,7 @@ static void add_norm(const float *a, const float *c, int64_t rows, int64_t n, co
     }
 }
 
-/* The tanh GELU in place (vector_math.h's, as gelu.c's), split between the threads of the region. */
+/* The tanh GELU in place, split between the threads of the region. */
 static void gelu_rows(float *x, int64_t count)
 {
 #pragma omp for schedule(static)
@@ -107,20 +105,15 @@ static void block_tail(const float *attn, const float *h, float *y, int64_t rows
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * One decoding step of a whole model: the embeddings, every block as above (`norm_linear`, the attention,
- * `block_tail`) and the final layer norm, for `rows` sequences of one new token each. The attention is
- * decode_attention.h's `head_decode`, on each
- * layer's cache, into which the step writes the new keys and values. One parallel region for the whole
- * step, instead of a call into C or torch for each part of each block with Python between them, whose
- * overhead at one row was a sizeable share of a step.
+ * One decoding step of a whole model in one parallel region (a call for each part of each block, with Python
+ * between them, cost a sizeable share of a step at one row): the embeddings, every block as above with
+ * `head_decode` on each layer's cache, and the final layer norm, for `rows` sequences of one new token each.
  *
- * ids, positions: [rows] token and position ids (checked by the caller), looked up in wte [vocab][n] and
- * wpe [positions][n]. layers: LAYER_POINTERS pointers a block (a macro of the including file), which its
- * `block_at` reads. keys[l], values[l]: block l's cache, [rows][heads][capacity[l]][HEAD_SIZE] floats whose
- * first `past` positions hold the cached keys and values; the step writes position `past` (< capacity[l])
- * and attends positions 0 .. past, those with mask[b * mask_stride + j] != 0 (mask NULL: all). scaling[l]:
- * block l's attention scale; eps: its layer norms'. lnf_w, lnf_b: the final layer norm (NULL: none, GPT-1's
- * order). y: [rows][n], the last hidden states. Returns 0, or 1 where scratch memory could not be allocated.
+ * ids, positions: [rows] (checked by the caller) into wte [vocab][n] and wpe [positions][n]. layers:
+ * LAYER_POINTERS pointers a block, read by `block_at`. keys[l], values[l]: block l's cache,
+ * [rows][heads][capacity[l]][HEAD_SIZE] floats holding `past` positions; the step writes position `past`
+ * (< capacity[l]) and attends those with mask[b * mask_stride + j] != 0 (mask NULL: all). lnf_w, lnf_b:
+ * the final layer norm (NULL: none). y: [rows][n]. Returns 0, or 1 where no scratch could be allocated.
  */
 typedef struct {
     const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
