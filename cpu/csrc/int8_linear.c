@@ -1,34 +1,26 @@
-/* hfgpt's int8 linear layer for CPU decoding: y = x W^T + b with W in int8 (one scale per output
- * channel) and x quantised to int8 at run time with one scale per BLOCK consecutive inputs of a row.
+/* hfgpt's int8 linear layer for CPU decoding: y = x W^T + b with W in int8 (one scale per output channel)
+ * and x quantised to int8 at run time with one scale per BLOCK consecutive inputs of a row. `Int8Linear`
+ * (cpu/quantization.py) packs the weights and holds the torch reference the tests compare this file against.
  *
- * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp); its OpenMP calls use the runtime
- * torch has loaded. `Int8Linear` in cpu/quantization.py packs the weights and holds the reference
- * implementation in torch that the tests compare this file against.
+ * The packed weight (uint8, W + 128, padded with 128: a zero weight) is [ceil(out / TILE)][inp / 4][TILE][4],
+ * inp = in rounded up to BLOCK: a tile of 32 outputs is one contiguous stream, read 128 bytes (4 inputs of 32
+ * outputs) at a time, each 32-bit lane the 4 weights of one output that meet the same 4 activation bytes.
  *
- * Layout of the packed weight (uint8, W + 128), for TILE = 32 output channels at a time:
- *     [ceil(out / TILE)][inp / 4][TILE][4],  inp = in rounded up to BLOCK,
- * padded with 128 (a zero weight). A tile of 32 outputs is then one contiguous stream, read 128 bytes
- * (4 inputs of 32 outputs) at a time: each 32-bit lane holds the 4 weights of one output that meet the same
- * 4 activation bytes, broadcast to every lane.
- *
- * Per row r and block b of BLOCK inputs, with sx[r, b] = max |x[r, b*BLOCK ...]| / 127 and
- * q = round-half-even(x / sx) in [-127, 127]:
- *     y[r, o] = scale[o] * sum_b sx[r, b] * (sum_{i in b} W[o, i] q[r, i]) + bias[o]
- * The bracket is exact in int32, so only the float sum over blocks rounds; it runs over blocks in order,
- * each output computed by one thread, so the result does not depend on the number of threads. A block
- * holding a NaN or an infinity gets sx = NaN (and q = 0), so the outputs are NaN, as the float product's
- * would be.
+ * Per row r and block b, with sx[r, b] = max |x[r, b*BLOCK ...]| / 127, q = round-half-even(x / sx) in
+ * [-127, 127]:  y[r, o] = scale[o] * sum_b sx[r, b] * (sum_{i in b} W[o, i] q[r, i]) + bias[o].
+ * The bracket is exact in int32; the float sum runs over blocks in order, each output on one thread, so the
+ * result does not depend on the number of threads. A block holding a NaN or an infinity gets sx = NaN (and
+ * q = 0): NaN outputs, as the float product's.
  *
  * The integer products, by what the compiler targets (`hfgpt_int8_vectorized()` says which was built):
  *   3  AVX-512 VNNI: VPDPBUSD on 16 lanes, unsigned weight bytes (W + 128) times signed activations,
  *      four products summed into each int32 lane; the bracket is sum (W + 128) q - 128 qsum, with
  *      qsum[r, b] = sum_{i in b} q[r, i] (at most 64 * 255 * 127 before the subtraction).
  *   2  AVX-VNNI (AVX2 CPUs with VPDPBUSD on 8 lanes): the same, 256 bits at a time.
- *   1  AVX2: VPSIGNB, VPMADDUBSW, VPMADDWD. VPMADDUBSW sums pairs of products in int16 with saturation,
- *      which (W + 128) q would overflow (2 * 255 * 127 > 32767); so the weights are made signed again
- *      (xor 0x80) and multiplied as |q| times W with q's sign: a pair is at most 2 * 127 * 127 = 32258,
- *      never saturated; VPMADDWD by ones then sums pairs of pairs in int32. The bracket, sum W q, is the
- *      same integer as above.
+ *   1  AVX2: VPMADDUBSW sums pairs of products in int16 with saturation, which (W + 128) q would overflow
+ *      (2 * 255 * 127 > 32767); so the weights are made signed again (xor 0x80) and multiplied as |q| times
+ *      W with q's sign (VPSIGNB): a pair is at most 2 * 127 * 127 = 32258; VPMADDWD by ones sums pairs of
+ *      pairs in int32. The bracket, sum W q, is the same integer.
  *   0  portable C (any CPU; the compiler vectorises what it can).
  * All compute the same int32 brackets and then the same float operations in the same order (one fused
  * multiply-add per block, one for the scale and bias), so paths 1 to 3 give identical outputs; the portable
@@ -398,13 +390,10 @@ int hfgpt_int8_linear(const float *x, int64_t rows, int64_t ldx, int64_t in, con
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * A whole transformer block of an int8 decoding copy in two calls around its attention (`Int8Block` in
- * quantization.py), for any number of rows (B*T), GPT-2's pre-norm or GPT-1's post-norm order, and a whole
- * decoding step in one: decode_step.h's `norm_linear`, `block_tail` and `decode_step` on `product`'s int8
- * products. The layer norms and the GELU are decode_step.h's, which differ from torch's by float rounding,
- * which the int8 copy of the next product can turn into one step of 127 in a block of 64 inputs now and
- * then. One parallel region a call instead of about 20 torch ops a block, whose overhead outside the
- * products was a sizeable share of an int8 decoding step.
+ * A block of an int8 decoding copy in two calls around its attention (`Int8Block`), for any number of rows,
+ * and a whole decoding step in one: decode_step.h on `product`'s int8 products. Its layer norms and GELU
+ * differ from torch's by float rounding, which the int8 copy of the next product can turn into one step of
+ * 127 in a block of 64 inputs now and then.
  */
 /* (built on every CPU; kept for the callers that ask) */
 int hfgpt_int8_fused_available(void) { return 1; }
@@ -471,13 +460,9 @@ int hfgpt_int8_block_tail(const float *attn, const float *h, float *y, int64_t r
     return 0;
 }
 
-/* ---------------------------------------------------------------------------------------------------
- * One decoding step of a whole int8 decoding copy in one call (`hfgpt.cpu.decoding`): decode_step.h's
- * `decode_step` on the int8 layers. layers: LAYER_POINTERS pointers per block, in the order `block_at`
- * reads them: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's
- * c_proj, each as packed weight, scales and bias. Returns 0, or 1 where scratch memory could not be
- * allocated.
- */
+/* A decoding step of an int8 decoding copy (decode_step.h). layers: LAYER_POINTERS pointers a block: ln_1's
+ * weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as packed
+ * weight, scales and bias. Returns 0, or 1 where scratch memory could not be allocated. */
 static block_t block_at(const void *const *p, int64_t n, int64_t inner)
 {
     const int64_t n_inp = (n + BLOCK - 1) / BLOCK * BLOCK, inner_inp = (inner + BLOCK - 1) / BLOCK * BLOCK;
