@@ -1,16 +1,11 @@
-/* hfgpt's float32 products of one row with a weight on the CPU: a decoding step at batch size 1, which
- * streams every weight of the model once and does two FLOPs a weight, so runs at the speed the weights
- * are read from memory.
- *
- * Built on first use by cpu/native.py (cc -O3 -march=native -fopenmp) and called by `one_row_product`
- * in cpu/products.py (an `[out, in]` weight: the LM head of a decoding step, a decoding copy's layers) and,
- * at the end of this file, for a whole decoding step of a float32 model (`hfgpt_float_decode_step`).
+/* hfgpt's float32 products of a decoding step's rows with a weight, which stream every weight once for two
+ * FLOPs a weight, so run at the speed the weights are read from memory: one row with an `[out, in]` weight
+ * (`few_rows_product` in cpu/products.py) and a whole decoding step of a float32 model (at the end).
  *
  * `[out, in]`: each thread takes a contiguous run of the weight's rows, one dot product a row with four
  * accumulators, so that it reads one sequential stream. `[in, out]` (a Conv1D weight, in the step): each
- * thread takes whole vectors of output columns and adds x[i] w[i, :] eight rows at a time (`add_rows`). The sums run in another order than MKL's: equal to
- * float rounding. One portable source (vector_math.h's vectors, as wide as the host's: AVX2, AVX-512,
- * NEON).
+ * thread takes whole vectors of output columns and adds x[i] w[i, :] eight rows at a time (`add_rows`). The
+ * sums run in another order than MKL's: equal to float rounding.
  *
  * The bfloat16 product (`hfgpt_row_product_bf16`, the bfloat16 decoding copy's) is portable too: it widens
  * pairs of bfloat16 to float32 with a shift and a mask and sums in float32. On a CPU with AVX-512 BF16 it
@@ -121,12 +116,10 @@ static inline float from_bfloat16(uint16_t value)
     return bits.f;
 }
 
-/* y[o] = bfloat16(sum_i x[i] w[o, i] (+ bias[o])) for bfloat16 x, w (contiguous, out x in), bias and y. x is
- * widened to float32 once, its even- and odd-indexed values apart in each block of 2 * LANES; each row of w
- * is then read as pairs (above). Every product is exact in float32 (two 8-bit significands), the products
- * are summed in float32, the bias added in float32, then the sum rounded to bfloat16 once: as AVX-512
- * BF16's VDPBF16PS and oneDNN sum them, in another order. Returns 1 where its scratch cannot be
- * allocated. */
+/* y[o] = bfloat16(sum_i x[i] w[o, i] (+ bias[o])) for bfloat16 x, w (contiguous, out x in), bias and y: x
+ * widened to float32 once, even- and odd-indexed values apart in each block of 2 * LANES, each row of w read
+ * as pairs (above). The products (exact in float32) and the bias are summed in float32 and rounded once, as
+ * AVX-512 BF16's VDPBF16PS and oneDNN do, in another order. Returns 1 where no scratch can be allocated. */
 int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, int64_t in, const uint16_t *bias,
                            uint16_t *y, int threads)
 {
@@ -167,10 +160,8 @@ int hfgpt_row_product_bf16(const uint16_t *x, const uint16_t *w, int64_t out, in
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * One decoding step of a float32 model in one call (`hfgpt.cpu.decoding`, for the CPU backend's models):
- * decode_step.h's `decode_step` on the model's own Conv1D weights, `[in, out]` as GPT-1's and GPT-2's
- * releases hold them. At one row a step reads every weight once, for one multiply-add each: bound by how
- * fast the weights stream from memory, and, block by block, by the calls and the Python between them.
+ * A decoding step of a float32 model (decode_step.h) on its own Conv1D weights, `[in, out]` as GPT-1's and
+ * GPT-2's releases hold them.
  */
 typedef struct {
     const float *w; /* [in][out] */
