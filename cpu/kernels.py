@@ -1,7 +1,5 @@
-"""hfgpt's C kernels (csrc/, loaded by `hfgpt.cpu.native`) as torch operators (`torch.ops.hfgpt.*`).
-
-Each has a fake implementation (`register_fake`), so FakeTensor and meta passes get shapes without running
-C, and `make_fx`, `torch.compile` and dispatch modes (FlopCounterMode, profilers) see each call as one op.
+"""hfgpt's C kernels (csrc/, loaded by `hfgpt.cpu.native`) as torch operators (`torch.ops.hfgpt.*`), each
+with a fake implementation, so FakeTensor, meta, `make_fx`, `torch.compile` and dispatch modes see one op.
 None has a gradient: inference only. The callers (`products`, `decoding`, `quantization`) decide where a
 kernel stands in for torch's ops (`available`); each implementation raises an error naming any argument the
 C code would misread, and runs its kernel on `torch.get_num_threads()` OpenMP threads of its own.
@@ -85,9 +83,6 @@ def _decoding_op(function: Callable | None = None, *, mutates_args: tuple[str, .
     return operator
 
 
-# -------------------------------------------------------------------------------- one-row products
-
-
 def _expect_row(op: str, dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     _expect(op, dtype, x=x, weight=weight, bias=bias)
     _contiguous(op, x=x, weight=weight, bias=bias)
@@ -137,9 +132,6 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(1, weight.shape[0])
 
 
-# ------------------------------------------------------------------------------------ int8 decoding
-
-
 # The packed int8 weight's layout (csrc/int8_linear.c): [ceil(out / TILE)][inp / 4][TILE][4] bytes, inp the
 # inputs rounded up to a multiple of BLOCK.
 INT8_BLOCK, INT8_TILE = 64, 32
@@ -147,8 +139,8 @@ _DTYPE, _IS_CPU, _SHAPE = map(operator.attrgetter, ("dtype", "is_cpu", "shape"))
 
 
 def _all_contiguous(dtype: torch.dtype, tensors: Iterable[Tensor | None]) -> bool:
-    """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: `_expect` and `_contiguous`
-    in one quick pass (C loops) for the calls a step makes; where it fails, those name the tensor at fault."""
+    """Whether every tensor given (None skipped) is a contiguous `dtype` CPU tensor: `_expect` and
+    `_contiguous` in one quick pass (C loops); where it fails, those name the tensor at fault."""
     tensors = [t for t in tensors if t is not None]
     return (
         set(map(_DTYPE, tensors)) <= {dtype}
@@ -217,8 +209,8 @@ def _(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
 
 @_decoding_op
 def int8_norm_linear(
-    x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, eps: float, packed: Tensor, scale: Tensor,
-    bias: Tensor | None,
+    x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, eps: float, packed: Tensor,
+    scale: Tensor, bias: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """A layer norm of the rows of `x` (B, T, in) (skipped without `norm_weight`), then `int8_linear`:
     `Int8Block`'s ln_1 and c_attn in one call (csrc/int8_linear.c)."""
@@ -441,18 +433,13 @@ def int8_decode_step(
     values: list[Tensor], past: int, mask: Tensor | None, scalings: list[float], eps: float, pre_norm: bool,
     final_norm: list[Tensor], final_eps: float,
 ) -> Tensor:  # fmt: skip
-    """One decoding step of an int8 decoding copy in one call (`hfgpt.cpu.decoding`, csrc/int8_linear.c):
-    token `ids` at `positions` (B each) embedded with `wte` and `wpe`; every block (ln_1 and c_attn, the
-    attention on the block's cache, c_proj, the residual sums, ln_2 and the MLP, GPT-1's post-norms where
-    not `pre_norm`); then the final layer norm (`final_norm`: its weight and bias, or empty). Returns the
-    (B, n) last hidden states.
-
-    `blocks`: `INT8_BLOCK_TENSORS` tensors a block: ln_1's weight and bias, ln_2's, then c_attn, the
-    attention's c_proj, c_fc and the MLP's c_proj, each as packed weight, scales and bias. `keys[l]`,
-    `values[l]`: block l's cache, contiguous (B, H, capacity, 64) buffers whose first `past` positions hold
-    the cached keys and values: the step writes position `past` into them and attends positions 0 to
-    `past`, those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero. `scalings[l]`: block
-    l's attention scale; `eps`: its layer norms'."""
+    """One decoding step of an int8 decoding copy in one call (csrc/decode_step.h's `decode_step`): token
+    `ids` at `positions` (B each) through the embeddings, every block and the final layer norm (`final_norm`:
+    its weight and bias, or empty); returns the (B, n) last hidden states. `blocks`: `INT8_BLOCK_TENSORS` a
+    block: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj,
+    each as packed weight, scales and bias. `keys[l]`, `values[l]`: block l's cache, contiguous
+    (B, H, capacity, 64) buffers holding `past` positions; the step writes position `past` and attends
+    those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero."""
     op, layers = "int8_decode_step", len(keys)
     packed_at, vectors_at = _block_positions(max(layers, 1))
     grouped = len(blocks) == INT8_BLOCK_TENSORS * layers and layers > 0
@@ -499,11 +486,6 @@ def _check_norms(op: str, layer: int, norms: list[Tensor], width: int) -> None:
             )
 
 
-@torch.library.register_fake("hfgpt::int8_decode_step")
-def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
-    return wte.new_empty(ids.numel(), wte.shape[1])
-
-
 @_decoding_op(mutates_args=("keys", "values"))
 def float_decode_step(
     ids: Tensor, positions: Tensor, wte: Tensor, wpe: Tensor, blocks: list[Tensor], keys: list[Tensor],
@@ -542,5 +524,6 @@ def float_decode_step(
 
 
 @torch.library.register_fake("hfgpt::float_decode_step")
+@torch.library.register_fake("hfgpt::int8_decode_step")
 def _(ids: Tensor, positions: Tensor, wte: Tensor, *_: object) -> Tensor:
     return wte.new_empty(ids.numel(), wte.shape[1])
