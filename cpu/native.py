@@ -10,10 +10,9 @@ would) follows hfgpt's flags so that it wins where they conflict (GCC and Clang 
 `-march=x86-64-v3` for the oldest CPU of a fleet sharing one cache, or `.ci/as-avx2`.
 
 Loading a library runs its code, so the cache is trusted only as a careful build cache would be (OpenSSH's
-StrictModes): folders made 0700; the cache folder and the library owned by this user (or root) and writable
-by no one else (a group bit allowed for the user's private group, as a umask of 002 makes); each folder above
-owned by this user or root and writable by no one else, or sticky (/tmp). Otherwise one warning names the path
-and the reason, and this process builds into a private temporary folder (mkdtemp, removed at exit).
+StrictModes): folders made 0700, owned by this user or root and writable by no one else (`_refusal` has the
+exceptions). Otherwise one warning names the path and the reason, and this process builds into a private
+temporary folder (mkdtemp, removed at exit).
 
 OpenMP calls use torch's runtime where both are GNU's (`libgomp.so.1`): one pool of threads; clang's libomp
 works, with a second pool. Without a compiler, `kernel()` returns None after one warning and callers run
@@ -40,48 +39,41 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LAYOUT_VERSION = 2  # hfgpt_int8_layout_version() of csrc/int8_linear.c
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # A whole decoding step (csrc/decode_step.h), int8 or float32: ids, positions, wte, wpe, rows, n, heads, inner,
 # layers, pre_norm, eps, scalings, layer pointers, key buffers, value buffers, capacities, past, mask, mask
 # stride, ln_f weight, bias, eps, y, threads
 _DECODE_STEP = (
-    ctypes.c_int,
-    [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float, _P, _P, _P, _P, _P]
-    + [_I64, _P, _I64, _P, _P, ctypes.c_float, _P, ctypes.c_int],
+    _INT,
+    [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _F32, _P, _P, _P, _P, _P]
+    + [_I64, _P, _I64, _P, _P, _F32, _P, _INT],
 )
 # name -> (restype, argtypes) of every function a library must export
 SIGNATURES = {
     "int8_linear": {
-        "hfgpt_int8_layout_version": (ctypes.c_int, []),
-        "hfgpt_int8_vectorized": (ctypes.c_int, []),
+        "hfgpt_int8_layout_version": (_INT, []),
+        "hfgpt_int8_vectorized": (_INT, []),
         # x, rows, ldx, in, inp, xq, sx, qsum
         "hfgpt_int8_quantize_rows": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
         # x, rows, ldx, in, packed w, out, inp, scale, bias, y, ldy, threads
-        "hfgpt_int8_linear": (
-            ctypes.c_int,
-            [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, ctypes.c_int],
-        ),
-        "hfgpt_int8_fused_available": (ctypes.c_int, []),
+        "hfgpt_int8_linear": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _INT]),
+        "hfgpt_int8_fused_available": (_INT, []),
         # x, rows, in, ln weight, ln bias, eps, packed w, out, inp, scale, bias, y, threads
-        "hfgpt_int8_norm_linear": (
-            ctypes.c_int,
-            [_P, _I64, _I64, _P, _P, ctypes.c_float, _P, _I64, _I64, _P, _P, _P, ctypes.c_int],
-        ),
+        "hfgpt_int8_norm_linear": (_INT, [_P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _P, _P, _P, _INT]),
         # attn, h, y, rows, n, pre_norm, ln_1 weight, bias, ln_2 weight, bias, eps,
         # c_proj (w, inp, scale, bias), c_fc (w, out, inp, scale, bias), mlp c_proj (w, inp, scale, bias), threads
         "hfgpt_int8_block_tail": (
-            ctypes.c_int,
-            [_P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P, ctypes.c_float]
-            + [_P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, ctypes.c_int],
+            _INT,
+            [_P, _P, _P, _I64, _I64, _INT, _P, _P, _P, _P, _F32]
+            + [_P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _INT],
         ),
-        # (`_DECODE_STEP`)
         "hfgpt_int8_decode_step": _DECODE_STEP,
     },
     "row_product": {
         # x, w, out, in, bias, y, threads (bfloat16 x, w, bias and y)
-        "hfgpt_row_product_bf16": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
+        "hfgpt_row_product_bf16": (_INT, [_P, _P, _I64, _I64, _P, _P, _INT]),
         # x, w, out, in, bias, y, threads
-        "hfgpt_row_product": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _P, ctypes.c_int]),
+        "hfgpt_row_product": (_INT, [_P, _P, _I64, _I64, _P, _P, _INT]),
         "hfgpt_float_decode_step": _DECODE_STEP,
     },
 }
@@ -140,9 +132,8 @@ def _private_group(gid: int) -> bool:
 def _refusal(info: os.stat_result, holds_libraries: bool) -> str | None:
     """Why a folder (or, with `holds_libraries`, the cache folder or a library in it) is not to be trusted,
     or None: another user than this one and root owns it, or others can write to it. A folder above the
-    cache may be writable by others where it is sticky (/tmp): no one else may rename or remove what this
-    user made in it. The cache folder may not: anyone could put a library there under the name that
-    `build` will look for."""
+    cache may be so where it is sticky (/tmp: no one else may rename or remove what this user made in it);
+    the cache folder may not: anyone could put a library there under the name `build` looks for."""
     if info.st_uid not in (os.geteuid(), 0):
         return f"is owned by another user (uid {info.st_uid})"
     mode = info.st_mode
@@ -221,10 +212,8 @@ def _instead_of(directory: Path, refusal: str) -> Path:
         f"hfgpt does not load C kernels from {directory}: {refusal}, so another user could put code there "
         f"that this process would run. This process builds them into the private folder {private} "
         "instead (make the cache folder this user's and writable by it alone, e.g. `chmod 700`, or set "
-        "HFGPT_CACHE_DIR to such a folder)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+        "HFGPT_CACHE_DIR to such a folder)", RuntimeWarning, stacklevel=4,
+    )  # fmt: skip
     return private
 
 
@@ -300,9 +289,8 @@ def build(name: str, flags: tuple[str, ...] | None = None, directory: Path | Non
             return target
         warnings.warn(
             f"hfgpt does not load the C kernel {target}: it {refusal}; building it afresh in its place",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+            RuntimeWarning, stacklevel=3,
+        )  # fmt: skip
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=directory)
         os.close(fd)
@@ -357,10 +345,8 @@ def kernel(name: str) -> ctypes.CDLL | None:
     except (NativeBuildError, OSError, AttributeError) as error:
         warnings.warn(
             f"hfgpt's C kernel {name} is not available, so the slower torch implementation of the same "
-            f"arithmetic runs instead: {error}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            f"arithmetic runs instead: {error}", RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
         return None
 
 
