@@ -2,12 +2,9 @@
 decoding copy (docs/cpu-backend.md). Block by block, a GPT-2 step makes about 40 calls into C and torch with
 Python between them: at one row its blocks took about 1.5x as long as in one call (benchmarks/RESULTS.md).
 
-`decoding_step` runs the embeddings, every block and the final layer norm in one OpenMP parallel region
-wherever that computes what the model's own code would, decided from the model as it is at that call (its
-modules and their classes' methods (`watch_code`), hooks, parameters, transformers' attention registry);
-elsewhere it declines and the caller runs the model. The full checks run once per model and are then watched
-(`_StepWatch`). Each kind of block the step computes registers a `StepKind` in `STEP_KINDS` (`GPTBlock`
-here, `Int8Block` in `hfgpt.cpu.quantization`).
+`decoding_step` runs it wherever that computes what the model's own code would, decided from the model as
+it is at that call (full checks once per model, then `_StepWatch`); elsewhere the caller runs the model. Each
+kind of block it computes registers a `StepKind` in `STEP_KINDS` (`GPTBlock` here, `Int8Block` elsewhere).
 """
 
 import operator
@@ -43,13 +40,11 @@ from .checks import (
 
 @dataclass(frozen=True)
 class StepKind:
-    """How the one-call step computes a model whose blocks are of one type.
-
-    `layer_tensors`: the names of each linear layer's tensors (parameters or buffers) the operator reads,
-    in its order; `computes(block, width)`: whether the operator computes what `block` would for hidden
-    states of `width` (its layers, norms, activation and mode, no hook on a part it would skip, the
-    operator's C code built); `inner`: a block's MLP width; `step`: the operator's name in
-    `hfgpt.cpu.kernels`."""
+    """How the one-call step computes a model whose blocks are of one type. `layer_tensors`: the names of
+    each linear layer's tensors the operator reads, in its order; `computes(block, width)`: whether the
+    operator computes what `block` would for hidden states of `width` (its layers, norms, activation and
+    mode, no hook on a part it would skip, the C code built); `inner`: a block's MLP width; `step`: the
+    operator's name in `hfgpt.cpu.kernels`."""
 
     layer_tensors: tuple[str, ...]
     computes: Callable[[nn.Module, int], bool]
@@ -76,15 +71,10 @@ def watch_code(owner: Any, name: str) -> None:
 # (owner, name, value) of the code the step stands in for (`watch_code`)
 CODE: list[tuple[Any, str, Any]] = []
 for _owner, _name in (
-    (nn.Module, "__call__"),
-    (GPTModel, "__call__"),
-    (GPTModel, "forward"),
-    (nn.Embedding, "forward"),
-    (nn.Dropout, "forward"),
-    (nn.LayerNorm, "forward"),
-    (modeling_hfgpt, "eager_attention_forward"),
+    (nn.Module, "__call__"), (GPTModel, "__call__"), (GPTModel, "forward"), (nn.Embedding, "forward"),
+    (nn.Dropout, "forward"), (nn.LayerNorm, "forward"), (modeling_hfgpt, "eager_attention_forward"),
     (modeling_hfgpt, "gelu_tanh"),
-):
+):  # fmt: skip
     watch_code(_owner, _name)
 
 
@@ -113,11 +103,9 @@ def decodes_in_one_call(
     model: GPTModel, input_ids: torch.Tensor | None, cache: Any, attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None, use_cache: bool | None, kwargs: dict[str, Any],
 ) -> bool:  # fmt: skip
-    """Whether the one-call step computes this forward of `model` as `model(...)` would: one new token per
-    sequence, given as ids, on top of a plain `DynamicCache` of the earlier positions (as `generate()` passes
-    it), with a 2-D attention mask or none, no gradient, no training, no output of attentions or hidden
-    states, run eagerly outside autocast, the model's own code (`code_unchanged`) and attention function, no
-    hook, every block of a kind in `STEP_KINDS` that it computes, heads of 64."""
+    """Whether the one-call step computes this forward of `model` as `model(...)` would (docs/cpu-backend.md,
+    "Where the step runs"): one new token per sequence, given as ids, on a plain `DynamicCache` of the earlier
+    positions (as `generate()` passes it), and a model whose blocks a kind in `STEP_KINDS` computes."""
     config = model.config
     return_dict = kwargs.get("return_dict")
     if (
@@ -207,10 +195,8 @@ def step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
 
 
 def _kernel_computes(model: GPTModel) -> StepKind | None:
-    """The `StepKind` whose operator computes what the modules do, or None: plain embeddings, blocks of
-    one registered kind that it computes, of one layer-norm epsilon, MLP width and norm order, heads of
-    64, and an affine final layer norm (GPT-2) or none (GPT-1), every tensor one the kernel reads as it
-    is."""
+    """The `StepKind` whose operator computes what the modules do, or None: plain embeddings, blocks of one
+    registered kind, epsilon, MLP width and norm order, heads of 64, an affine final layer norm or none."""
     modules = model._modules
     wte, wpe, ln_f = modules["wte"], modules["wpe"], modules.get("ln_f")
     if type(wte) is not nn.Embedding or type(wpe) is not nn.Embedding:
@@ -306,12 +292,11 @@ _WATCHES: "weakref.WeakKeyDictionary[GPTModel, _StepWatch]" = weakref.WeakKeyDic
 
 
 class _StepWatch:
-    """What `_kernel_computes` read, as (dictionary, key, object) entries: each module under its
-    name in its parent's `_modules`, each tensor in its owner's `_parameters` or `_buffers`, each setting
-    (layer-norm epsilons, the activation, the attention scale and function, the norm order, an instance's
-    `forward`) in its module's `__dict__`; with the modules' hook dictionaries and, for the modules whose
-    mode changes what they compute (dropout), their `__dict__`s. The objects are held, so none is freed and
-    no new one can take its address."""
+    """What `_kernel_computes` read, as (dictionary, key, object) entries: modules in their parents'
+    `_modules`, tensors in `_parameters` or `_buffers`, settings (epsilons, the activation, the attention's
+    scale and function, the norm order, an instance's `forward`) in `__dict__`; with the modules' hook
+    dictionaries and, where the mode changes what they compute, their `__dict__`s. The objects are held,
+    so none is freed and no new one can take its address."""
 
     def __init__(self, model: GPTModel, kind: StepKind) -> None:
         self.kind = kind
@@ -399,21 +384,16 @@ def _layout(tensor: torch.Tensor) -> tuple:
 # --- the plain GPTBlock ---------------------------------------------------------------------------------
 
 for _owner, _name in (
-    (GPTBlock, "__call__"),
-    (GPTBlock, "forward"),
-    (GPTAttention, "forward"),
-    (GPTAttention, "attention_interface"),
-    (GPTMLP, "forward"),
-    (Conv1D, "forward"),
-):
+    (GPTBlock, "__call__"), (GPTBlock, "forward"), (GPTAttention, "forward"),
+    (GPTAttention, "attention_interface"), (GPTMLP, "forward"), (Conv1D, "forward"),
+):  # fmt: skip
     watch_code(_owner, _name)
 
 
 def _float_block_computes(block: GPTBlock, width: int) -> bool:
-    """Whether `torch.ops.hfgpt.float_decode_step` computes what `block` (a plain `GPTBlock`) would for
-    hidden states of `width`: inference (no module training), Conv1D layers of float32 weights and biases
-    that need no gradient, affine layer norms of one epsilon, the tanh GELU, attention as the config names
-    it, and no hook or forward of a user's own on a module the step would not call."""
+    """Whether `float_decode_step` computes what `block` (a plain `GPTBlock`) would for hidden states of
+    `width`: inference, Conv1D layers of float32 weights and biases, affine layer norms of one epsilon, the
+    tanh GELU, attention as the config names it, no hook or instance `forward` on a module it would skip."""
     modules = block._modules
     attn, mlp, ln_1, ln_2 = modules["attn"], modules["mlp"], modules["ln_1"], modules["ln_2"]
     if type(attn) is not GPTAttention or type(mlp) is not GPTMLP:
