@@ -85,11 +85,9 @@ class Int8Linear(nn.Module):
     [-127, 127]) and int8 activations with one scale per 64 consecutive inputs of a row, for CPU
     inference: float32 outputs whatever the input's dtype, and no gradient (as torch.ao's quantised layers).
 
-    The product (`torch.ops.hfgpt.int8_linear`, csrc/int8_linear.c) reads the packed weight once per call,
-    one contiguous stream per 32 output channels: at one row faster than torch.ao's fbgemm product
-    (benchmarks/RESULTS.md). Without a C compiler `reference` computes the same arithmetic in torch, slower.
-    Scales per 64 inputs keep an outlier channel from flattening the rest of its row, as a scale per row (or
-    per batch, as fbgemm's dynamic quantisation) does."""
+    The product (`torch.ops.hfgpt.int8_linear`) reads the packed weight once, one stream per 32 outputs: at
+    one row faster than fbgemm's (benchmarks/RESULTS.md); `reference` is the same arithmetic in torch. Scales
+    per 64 inputs keep an outlier from flattening its row, as a scale per row (or batch, as fbgemm's) does."""
 
     def __init__(
         self, in_features: int, out_features: int, packed: torch.Tensor, scale: torch.Tensor,
@@ -159,8 +157,7 @@ class Int8Linear(nn.Module):
         if x.shape[-1] != width:
             raise ValueError(f"Int8Linear expects {width} input features, got shape {tuple(x.shape)}")
         buffers = self._buffers  # (the module's __getattr__ is slow for lookups made on every call)
-        # (elsewhere than the CPU, torch's errors; a tensor subclass, or buffers the kernel would misread
-        # (replaced by a user), torch's ops on them)
+        # (off the CPU, torch's errors; a tensor subclass or buffers replaced by a user: torch's ops on them)
         if (
             not x.is_cpu
             or not plain_tensors(x)
@@ -228,9 +225,8 @@ class Int8Block(GPTBlock):
         )  # fmt: skip
 
     def fuses(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the fused kernels (`torch.ops.hfgpt.int8_norm_linear`, `int8_block_tail`) compute what
-        `GPTBlock.forward` would on `hidden_states`: float32 CPU hidden states (B, T, E) that need no
-        gradient, outside compilation, and a block that `fusable` says the kernels compute."""
+        """Whether the fused kernels compute what `GPTBlock.forward` would on `hidden_states`: float32 CPU
+        hidden states (B, T, E) that need no gradient, and a block that `fusable` says they compute."""
         return (
             hidden_states.dtype == torch.float32
             and hidden_states.is_cpu
@@ -243,9 +239,8 @@ class Int8Block(GPTBlock):
 
     def fusable(self, width: int) -> bool:
         """Whether the fused kernels compute what this block's modules would for hidden states of `width`:
-        inference (no module training, no gradient needed), outside autocast and compilation, int8 layers
-        throughout, affine layer norms of one epsilon, the tanh GELU, and no hook on a module the fused
-        path would not call."""
+        inference, outside autocast and tracing, int8 layers throughout, affine layer norms of one epsilon,
+        the tanh GELU, and no hook on a module the fused path would not call."""
         attn, mlp, ln_1, ln_2, c_attn, c_proj, c_fc, mlp_proj = parts = self._parts()
         if (
             self.training
@@ -407,8 +402,7 @@ def _mark_decoding_copy(model: GPTPreTrainedModel, dtype: torch.dtype) -> GPTPre
 
 
 def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.qint8) -> GPTPreTrainedModel:
-    """A copy of `model` with int8 (`torch.qint8`, the default), `torch.bfloat16` or `torch.float32`
-    weights for CPU inference; `model` itself is left untouched (docs/cpu-backend.md).
+    """A copy of `model` for CPU inference (docs/cpu-backend.md); `model` itself is left untouched.
 
     - float32: the model's own layers and values, bit for bit, and as fast (benchmarks/RESULTS.md); a
       second set of weights: drop the original when memory matters.
@@ -417,10 +411,8 @@ def quantize_for_decoding(model: GPTPreTrainedModel, dtype: torch.dtype = torch.
     - bfloat16: the whole model in bfloat16, every Conv1D, linear layer and the LM head a `DecodingLinear`:
       for one row, the CPU's bfloat16 kernels read an `[out, in]` weight faster than Conv1D's `[in, out]`,
       which a plain `model.to(torch.bfloat16)` would keep.
-    Its weights then share one mapping advised into transparent huge pages (`huge_pages`), which a decoding
-    step streams faster. Its `save_pretrained`, `push_to_hub` and `interop.to_transformers` refuse it
-    (ValueError): save the float32 model instead.
-    """
+    Its weights share one mapping in transparent huge pages (`huge_pages`). Its `save_pretrained`,
+    `push_to_hub` and `interop.to_transformers` refuse it (ValueError): save the float32 model instead."""
     if dtype not in (torch.qint8, torch.bfloat16, torch.float32):
         raise ValueError(
             f"quantize_for_decoding makes torch.qint8, torch.bfloat16 or torch.float32 weights, not {dtype}"
