@@ -1,21 +1,13 @@
 """Cache appends without copying the whole cache: `GrowingLayer`, a `DynamicLayer` with spare positions.
 
-transformers' `DynamicCache` appends a decoding step's keys and values to each layer with `torch.cat`, which
-copies the whole cache into a fresh tensor at every step. A step of GPT-2 then copies every layer's keys
-and values (B x 12 heads x T positions x 64 floats, twice, in 12 layers) and asks the allocator for 24 new
-blocks, which above glibc's mmap threshold are fresh pages faulted in one by one.
-
-`GrowingLayer` keeps each layer's keys and values in buffers with spare positions and writes a step's new
-positions into them; `layer.keys` and `layer.values` are views of the buffers' first positions, so every
-reader of the cache (sdpa, the one-call step's attention, `get_seq_length`, the masks) sees what a
-`DynamicLayer` holds, with the buffers' strides. transformers' own edits of a layer (`crop`,
-`batch_select_indices`, `batch_repeat_interleave`, `reorder_cache`, `reset`) assign new tensors to
-`keys` and `values` as for a `DynamicLayer`: the next update keeps using the buffer where the new keys
-are still its first positions (a crop), and otherwise copies them into a new buffer.
-
-`grow_in_place(cache)` turns the `DynamicLayer`s of a plain `DynamicCache` into `GrowingLayer`s, keeping
-the object that the caller (`generate()`, a user's loop) holds; the CPU backend's one-call decoding step
-calls it on the cache it is given (`hfgpt.cpu.decoding`).
+transformers' `DynamicCache` appends with `torch.cat`, copying the whole cache into 24 new blocks a GPT-2 step
+(above glibc's mmap threshold, fresh pages faulted in one by one). `GrowingLayer` writes a step's positions
+into buffers with spare room; `layer.keys` and `layer.values` are views of their first positions, so every
+reader sees what a `DynamicLayer` holds, with the buffers' strides. transformers' edits of a layer (`crop`,
+`batch_select_indices`, `reorder_cache`, `reset`, ...) assign new tensors as for a `DynamicLayer`: the next
+update keeps the buffer where they are still its first positions (a crop), else copies them into a new one.
+`grow_in_place(cache)` converts the layers of the cache object the caller holds; the one-call decoding step
+(`hfgpt.cpu.decoding`) calls it.
 """
 
 import torch
@@ -27,9 +19,8 @@ MIN_SPARE = 64
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose update writes the new positions into buffers with spare room instead of
-    concatenating. Where the write does not apply (autograd through the cache, a compiled graph, tensors of
-    another dtype, device or shape than the buffers'), it updates as a `DynamicLayer` does."""
+    """A `DynamicLayer` whose update writes the new positions into buffers with spare room; where that does
+    not apply (`_writes`), it updates as a `DynamicLayer` does."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
@@ -56,9 +47,8 @@ class GrowingLayer(DynamicLayer):
 
     def reserve(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers, (B, H, capacity, D) and contiguous, whose first positions hold the
-        cached ones, with room for `extra` more: for a kernel that writes a step's keys and values into them
-        itself (hfgpt's int8 decoding step), after which `advance(extra)` makes them the layer's. The layer
-        must hold keys already (a prompt's)."""
+        cached ones (a prompt's at least), with room for `extra` more, for a kernel that writes a step's keys
+        and values into them; `advance(extra)` then makes them the layer's."""
         self._key_buffer = _reserve(self.keys, self._key_buffer, extra)
         self._value_buffer = _reserve(self.values, self._value_buffer, extra)
         return self._key_buffer, self._value_buffer
@@ -66,10 +56,8 @@ class GrowingLayer(DynamicLayer):
     def advance(self, extra: int) -> None:
         """The layer holds the `extra` positions written after its cached ones in `reserve`'s buffers."""
         length = self.keys.shape[-2] + extra
-        self.keys, self.values = (
-            self._key_buffer.narrow(2, 0, length),
-            self._value_buffer.narrow(2, 0, length),
-        )
+        self.keys = self._key_buffer.narrow(2, 0, length)
+        self.values = self._value_buffer.narrow(2, 0, length)
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
@@ -139,10 +127,9 @@ def _append(
 
 
 def grow_in_place(cache: object) -> None:
-    """Turn the `DynamicLayer`s of `cache`, a plain `DynamicCache` (not a subclass, which may depend on
-    its layers' type), into `GrowingLayer`s holding the same tensors, and the layers it adds as it fills
-    (a cache made without a config adds one per layer on its first update) into `GrowingLayer`s too;
-    anything else is left as it is."""
+    """Turn the `DynamicLayer`s of `cache`, a plain `DynamicCache` (a subclass may depend on its layers'
+    type), into `GrowingLayer`s holding the same tensors, and so the layers it adds as it fills (a cache
+    made without a config adds one per layer on its first update); anything else is left as it is."""
     if type(cache) is not DynamicCache:
         return
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
