@@ -1,16 +1,11 @@
 """Weights in transparent huge pages, for the CPU decoding copies (`quantize_for_decoding`).
 
-A decoding step streams every weight from memory once. Spread over 4 KiB pages, that stream pays a TLB
-miss every 4 KiB; in 2 MiB pages, one every 2 MiB. A plain read of GPT-2's weights from huge pages, and
-the int8 products of a decoding step, are faster than from 4 KiB pages (less so when the host is busy);
-benchmarks/RESULTS.md has the figures.
-
-Linux gives huge pages to memory advised with `madvise(MADV_HUGEPAGE)` when
-/sys/kernel/mm/transparent_hugepage/enabled says `madvise` or `always`, and only to pages first touched
-after the advice: so the weights go into one fresh anonymous mapping, advised before anything is
-written to it. (An allocation through torch would come from malloc, which may hand back heap memory
-already faulted in 4 KiB pages, as it always does after `hfgpt.cpu.runtime.keep_freed_memory`.)
-Elsewhere the same layout is made in ordinary memory.
+A decoding step streams every weight once: from 4 KiB pages it pays a TLB miss every 4 KiB, from 2 MiB
+pages one every 2 MiB, and GPT-2's weights read faster (less so on a busy host; benchmarks/RESULTS.md).
+Linux gives huge pages (`enabled` set to `madvise` or `always`) only to pages first touched after
+`madvise(MADV_HUGEPAGE)`, so the weights go into one fresh anonymous mapping advised before anything is
+written to it: malloc, through torch, may hand back heap memory already faulted in 4 KiB pages (as it always
+does after `hfgpt.cpu.runtime.keep_freed_memory`). Elsewhere the same layout is made in ordinary memory.
 """
 
 import mmap
@@ -25,10 +20,9 @@ SMALLEST = 1 << 16  # tensors below this stay where they are (layer norms, biase
 
 
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
-    """`nbytes` of fresh zeroed memory as a uint8 CPU tensor starting on a `HUGE_PAGE` boundary, and
-    whether the kernel took the advice to back it with huge pages (False off Linux, or on a kernel
-    built without them). The tensor keeps its mapping alive; the mapping is unmapped when the last
-    tensor viewing it is freed."""
+    """`nbytes` of fresh zeroed memory as a uint8 CPU tensor starting on a `HUGE_PAGE` boundary (its mapping
+    unmapped when the last tensor viewing it is freed), and whether the kernel took the advice to back it
+    with huge pages (False off Linux, or on a kernel built without them)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes <= 0:
         return torch.zeros(max(nbytes, 0), dtype=torch.uint8), False
@@ -56,14 +50,10 @@ def _large_tensors(module: nn.Module, smallest: int) -> Iterator[tuple[dict, str
 
 def gather_into_huge_pages(module: nn.Module, smallest: int = SMALLEST) -> bool:
     """Move every CPU parameter and buffer of `module` of at least `smallest` bytes into one
-    `huge_page_buffer`, in place, values unchanged. A parameter keeps its identity (its `.data` is
-    replaced), so tied weights stay tied and are stored once. Returns whether the buffer was advised
-    into huge pages.
-
-    For inference copies: the tensors then share one storage, which checkpoint writers refuse as
-    shared memory (the decoding copies refuse `save_pretrained` anyway), and an optimizer step or
-    `.to()` works but the copies it makes are ordinary memory again. While moving, the old tensors and
-    the new buffer are both held: peak memory rises by the bytes moved."""
+    `huge_page_buffer`, in place, values unchanged; returns whether it was advised into huge pages. A
+    parameter keeps its identity (its `.data` is replaced), so tied weights stay tied and stored once.
+    For inference copies: checkpoint writers refuse the one shared storage, `.to()` makes ordinary memory
+    again, and peak memory rises by the bytes moved while both are held."""
     places: dict[int, list[tuple[dict, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for table, name, tensor in _large_tensors(module, smallest):
