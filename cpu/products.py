@@ -1,9 +1,7 @@
-"""Products of a decoding step's few rows with a weight: the LM head's logits, a decoding copy's layers.
-
-A decoding step reads every weight once for a few multiply-adds per element, so it is bound by how fast the
-weight is read. `F.linear` of a few rows with a tall weight, such as GPT-2's 50257 x 768 LM head, runs MKL's
-small-matrix kernel, which reads it several times slower than `weight @ rows^T` (benchmarks/RESULTS.md);
-one row goes to hfgpt's C kernel, each thread reading its run of the weight's rows once.
+"""Products of a decoding step's few rows with a weight (the LM head's logits, a decoding copy's layers),
+bound by how fast the weight is read. `F.linear` of a few rows with a tall weight, such as GPT-2's 50257 x 768
+LM head, runs MKL's small-matrix kernel, which reads it several times slower than `weight @ rows^T`
+(benchmarks/RESULTS.md); one row goes to hfgpt's C kernel, each thread reading its run of the rows once.
 """
 
 import torch
@@ -46,10 +44,9 @@ def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a contiguous bfloat16 `[out, in]`
-    weight (and bias), without gradients, on hfgpt's C kernel: each thread reads its run of the weight's
-    rows once, the products summed in float32 and rounded to bfloat16 once. None where it does not apply;
-    callers then run their product. torch's bfloat16 one-row product reads the weight well below the
-    memory's rate (benchmarks/RESULTS.md)."""
+    weight (and bias), without gradients, on hfgpt's C kernel (`row_product_bf16`), or None where that does
+    not apply. torch's bfloat16 one-row product reads the weight well below the memory's rate
+    (benchmarks/RESULTS.md)."""
     tensors = [x, weight, *([] if bias is None else [bias])]
     if (
         any(t.dtype != torch.bfloat16 or not t.is_cpu for t in tensors)
