@@ -201,7 +201,9 @@ def translate_transformers_config(config_dict: dict[str, Any]) -> dict[str, Any]
     model_type = config_dict.get("model_type")
     if model_type not in ("gpt2", "openai-gpt"):
         return config_dict
-    out = {k: v for k, v in config_dict.items() if k not in ("model_type", "architectures", "auto_map")}
+    # n_ctx: the context length's old name, kept in their config.json beside n_positions (which hfgpt reads).
+    dropped = ("model_type", "architectures", "auto_map", "n_ctx")
+    out = {k: v for k, v in config_dict.items() if k not in dropped}
     out.pop("add_cross_attention", None)
     if model_type == "openai-gpt":
         afn = out.pop("afn", "gelu")

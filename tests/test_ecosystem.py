@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from test_remote_code import (  # tests/ is on sys.path
     check_code_files,
     run_without_hfgpt,
 )
+from test_transformers_common import fetch_source_distribution
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.modeling_hfgpt import AUTO_MAP, REMOTE_CODE_FILES
@@ -42,11 +44,15 @@ BIN = Path(sys.executable).parent
 # runs in its test.
 NOT_RUN = {
     "hfgpt-convert models/124M": "the page's starting point: `user_folder` converts the fixture releases",
-    "vllm serve": "vLLM, TGI and llama.cpp do not install here; the test checks the folder they read",
+    "vllm serve": "vLLM and TGI do not install here; the test checks the folder they read",
+    "pip download --no-deps --no-binary :all: llama-cpp-python": (
+        "the test fetches the same archive with test_transformers_common's helper (which skips, naming it, "
+        "without a package index) and unpacks the converter's files from it"
+    ),
     "accelerate launch --use_fsdp": "needs GPUs: on the CPU accelerate runs DDP instead",
 }
 # The first words of the shell blocks the tests run.
-RUN = ("lm_eval run", "torchrun")
+RUN = ("lm_eval run", "torchrun", "PYTHONPATH=llama_cpp_python")
 
 # Runs a recipe's code, then writes the variables the test asks for as JSON (tensors as lists).
 RUNNER = textwrap.dedent(
@@ -210,6 +216,7 @@ def test_serving_engines_read_the_transformers_format(user_folder):
     folder = user_folder / "out" / "gpt2-transformers"
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
+    assert config["n_ctx"] == config["n_positions"] == 64  # llama.cpp's GPT-2 converter reads n_ctx
     assert "auto_map" not in config and not list(folder.glob("*.py"))
     names = set()
     for file in folder.glob("*.safetensors"):
@@ -228,6 +235,116 @@ def test_serving_engines_read_the_transformers_format(user_folder):
     assert (folder / "tokenizer.json").is_file()
     text = "Serving engines read tokenizer.json: <|endoftext|> and ids as OpenAI's."
     assert AutoTokenizer.from_pretrained(folder).encode(text) == GPT2Tokenizer().encode(text)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_exports_write_the_context_length_as_n_ctx_too(tmp_path, norm):
+    from hfgpt.modeling.interop import to_transformers
+
+    model = GPTForCausalLM(GPTConfig(**TINY, **INIT, layer_norm_position=norm))
+    to_transformers(model).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == {"pre": "gpt2", "post": "openai-gpt"}[norm]
+    assert written["n_ctx"] == written["n_positions"] == TINY["n_positions"]
+    # Read back into hfgpt, the old name is dropped: n_positions alone sets the context length.
+    back = GPTForCausalLM.from_pretrained(tmp_path)
+    assert back.config.n_positions == TINY["n_positions"] and "n_ctx" not in back.config.to_dict()
+
+
+# --- llama.cpp ----------------------------------------------------------------------------------------------
+
+
+def llama_cpp_release() -> str:
+    """The llama-cpp-python release whose converter docs/ecosystem.md runs."""
+    (fetch,) = (c for c in blocks("llama.cpp", "bash") if c.startswith("pip download"))
+    found = re.search(r"llama-cpp-python==([\w.]+) && tar xzf (llama_cpp_python-\1)\.tar\.gz", fetch)
+    assert found, fetch
+    return found[1]
+
+
+def unpack_llama_cpp_converter(archive: Path, folder: Path) -> None:
+    """The converter, its `conversion` package and its `gguf-py` from the source distribution, at the paths
+    the page's `tar xzf` gives them (the rest of the archive, llama.cpp's C++ sources, is not needed)."""
+    top = archive.name.removesuffix(".tar.gz")
+    wanted = tuple(
+        f"{top}/vendor/llama.cpp/{p}" for p in ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+    )
+    with tarfile.open(archive) as sdist:
+        members = [m for m in sdist.getmembers() if m.isfile() and m.name.startswith(wanted)]
+        for member in members:
+            target = folder / member.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(sdist.extractfile(member).read())
+    assert any(m.name.endswith("convert_hf_to_gguf.py") for m in members), f"{archive.name}: no converter"
+
+
+# llama.cpp's names of GPT-2's tensors (its src/llama-arch.cpp, LLM_ARCH_GPT2) -> the transformers tensor each
+# holds, and whether the converter transposes it: Conv1D weights are stored (in, out), GGUF's (out, in).
+LLAMA_CPP_GPT2_NAMES = {
+    "token_embd.weight": ("transformer.wte.weight", False),
+    "position_embd.weight": ("transformer.wpe.weight", False),
+    "output_norm.weight": ("transformer.ln_f.weight", False),
+    "output_norm.bias": ("transformer.ln_f.bias", False),
+}
+LLAMA_CPP_GPT2_BLOCK_NAMES = {
+    "attn_norm": ("ln_1", False),
+    "attn_qkv": ("attn.c_attn", True),
+    "attn_output": ("attn.c_proj", True),
+    "ffn_norm": ("ln_2", False),
+    "ffn_up": ("mlp.c_fc", True),
+    "ffn_down": ("mlp.c_proj", True),
+}
+
+
+@pytest.mark.slow
+def test_llama_cpp_converter_reads_the_transformers_format(user_folder):
+    import gguf
+    from safetensors.torch import load_file
+
+    release = llama_cpp_release()
+    archive = fetch_source_distribution(user_folder, "llama-cpp-python", release)
+    unpack_llama_cpp_converter(archive, user_folder)
+    (command,) = (c.strip() for c in blocks("llama.cpp", "bash") if "convert_hf_to_gguf.py" in c)
+    assert "out/gpt2-transformers --outfile gpt2.gguf" in command
+    run_shell(user_folder, command)
+
+    folder = user_folder / "out" / "gpt2-transformers"
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    expected = {
+        name: (weights[source], transpose) for name, (source, transpose) in LLAMA_CPP_GPT2_NAMES.items()
+    }
+    for i in range(config["n_layer"]):
+        for name, (source, transpose) in LLAMA_CPP_GPT2_BLOCK_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = weights[f"transformer.h.{i}.{source}.{kind}"]
+                expected[f"blk.{i}.{name}.{kind}"] = (tensor, transpose and kind == "weight")
+    reader = gguf.GGUFReader(user_folder / "gpt2.gguf")
+    found = {tensor.name: tensor for tensor in reader.tensors}
+    assert sorted(found) == sorted(expected)  # no output.weight: the head is tied to token_embd
+    for name, (tensor, transpose) in expected.items():
+        value = (tensor.T if transpose else tensor).numpy()
+        # GGUF lists a tensor's dimensions innermost first, numpy's shape outermost first.
+        assert [int(n) for n in reversed(found[name].shape)] == list(value.shape), name
+        assert found[name].tensor_type == gguf.GGMLQuantizationType.F32, name
+        assert (found[name].data == value).all(), name
+    header = {name: field.contents() for name, field in reader.fields.items()}
+    assert header["general.architecture"] == "gpt2"
+    assert header["gpt2.context_length"] == config["n_positions"] == 64
+    assert header["gpt2.block_count"] == config["n_layer"]
+    assert header["gpt2.embedding_length"] == config["n_embd"]
+    assert header["gpt2.attention.head_count"] == config["n_head"]
+    assert header["tokenizer.ggml.model"] == "gpt2"
+
+
+@pytest.mark.slow
+def test_llama_cpp_recipe(user_folder):
+    needs("llama_cpp")  # pip install llama-cpp-python compiles llama.cpp: the test extra leaves it out
+    if not (user_folder / "gpt2.gguf").exists():
+        test_llama_cpp_converter_reads_the_transformers_format(user_folder)
+    out = run_recipe(user_folder, "llama.cpp", ["same_ids", "llama_tokens", "hfgpt_tokens"])
+    assert out["same_ids"] is True
+    assert len(out["hfgpt_tokens"]) == 16 and out["llama_tokens"] == out["hfgpt_tokens"]
 
 
 # --- PEFT, ONNX ----------------------------------------------------------------------------------------------
