@@ -186,6 +186,27 @@ def test_gpt1_tokenizer_names_a_bos_and_eos_inside_the_released_vocabulary(user_
     assert 0 not in expected
 
 
+@pytest.mark.parametrize("name", ["gpt1", "gpt2"])
+def test_text_generation_pipeline_gives_the_prompt_then_the_continuation(user_folder, name):
+    if name == "gpt1":
+        pytest.importorskip("spacy")
+    from transformers import AutoTokenizer, pipeline
+
+    folder = user_folder / "out" / name
+    generator = pipeline("text-generation", model=str(folder), device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = GPTForCausalLM.from_pretrained(folder).eval()
+    for prompt in ("The quick brown fox", "Isn't it odd, she asked"):
+        text = generator(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+        ids = tokenizer(prompt)["input_ids"]
+        sequence = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0].tolist()
+        # The continuation as the whole sequence, decoded at once, reads after the prompt's own decoding.
+        whole, start = tokenizer.decode(sequence, skip_special_tokens=True), tokenizer.decode(ids)
+        assert len(sequence) > len(ids) and whole.startswith(start), (whole, start)
+        continuation = whole[len(start) :]
+        assert continuation.strip() and text == prompt + continuation, (text, continuation)
+
+
 # --- TransformerLens --------------------------------------------------------------------------------------
 
 
