@@ -13,10 +13,14 @@ import importlib.util
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import textwrap
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,7 @@ BIN = Path(sys.executable).parent
 # runs in its test.
 NOT_RUN = {
     "hfgpt-convert models/124M": "the page's starting point: `user_folder` converts the fixture releases",
+    "transformers serve": "a server: its test starts it in the background on a free port, then stops it",
     "vllm serve": "vLLM and TGI do not install here; the test checks the folder they read",
     "pip download --no-deps --no-binary :all: llama-cpp-python": (
         "the test fetches the same archive with test_transformers_common's helper (which skips, naming it, "
@@ -91,13 +96,21 @@ def environment() -> dict[str, str]:
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
+        # The recipes' servers listen on 127.0.0.1: their clients must reach it directly, never a proxy.
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
     }
 
 
-def run_recipe(folder: Path, title: str, names: list[str]) -> dict:
-    """Run the Python blocks of section `title` in `folder`; the values of `names` after they ran."""
+def run_recipe(folder: Path, title: str, names: list[str], replace: dict[str, str] | None = None) -> dict:
+    """Run the Python blocks of section `title` in `folder` (each key of `replace` in them replaced by its
+    value); the values of `names` after they ran."""
     script = folder / f"recipe-{re.sub(r'[^a-z0-9]+', '-', title.lower())}.py"
-    script.write_text("\n".join(blocks(title, "python")))
+    code = "\n".join(blocks(title, "python"))
+    for old, new in (replace or {}).items():
+        assert old in code, f"{title}: no {old!r} to replace"
+        code = code.replace(old, new)
+    script.write_text(code)
     out = script.with_suffix(".json")
     checked_run([sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)], folder, title)
     return json.loads(out.read_text())
@@ -366,6 +379,70 @@ def test_llama_cpp_recipe(user_folder):
     out = run_recipe(user_folder, "llama.cpp", ["same_ids", "llama_tokens", "hfgpt_tokens"])
     assert out["same_ids"] is True
     assert len(out["hfgpt_tokens"]) == 16 and out["llama_tokens"] == out["hfgpt_tokens"]
+
+
+# --- transformers serve -------------------------------------------------------------------------------------
+
+
+def free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_serving(url: str, server: subprocess.Popen, log: Path, seconds: float) -> None:
+    """Poll `url` (on 127.0.0.1, without any proxy) until it answers, the server exits, or time is up."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server stopped ({server.returncode}):\n{log.read_text()[-6000:]}"
+        try:
+            with direct.open(url, timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"nothing served at {url} after {seconds:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """The server and the model process it started (its own process group), within seconds."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_transformers_serve_recipe(user_folder):
+    needs("fastapi", "uvicorn", "openai")
+    (command,) = (c.strip() for c in blocks("transformers serve", "bash"))
+    assert command.startswith("transformers serve out/gpt2-transformers --host 127.0.0.1 --port 8000 ")
+    port = free_local_port()
+    log = user_folder / "serve.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            ["bash", "-c", "exec " + command.replace("--port 8000", f"--port {port}")],
+            cwd=user_folder,
+            env=environment(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: `stop` ends it and its model process
+        )
+    try:
+        wait_until_serving(f"http://127.0.0.1:{port}/v1/models", server, log, seconds=240)
+        names = ["served", "local", "chat_status", "generated", "ids"]
+        out = run_recipe(user_folder, "transformers serve", names, {"127.0.0.1:8000": f"127.0.0.1:{port}"})
+    finally:
+        stop(server)
+    assert server.returncode is not None
+    assert len(out["generated"][0]) > len(out["ids"][0])  # generate() added tokens
+    assert out["served"] and out["served"] == out["local"], (out["served"], out["local"])
+    assert out["chat_status"] == 400
+    assert f"127.0.0.1:{port}" in log.read_text()  # where it listened: on the loopback address only
 
 
 # --- PEFT, ONNX ----------------------------------------------------------------------------------------------
