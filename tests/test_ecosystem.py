@@ -4,7 +4,8 @@ Each section's Python blocks run as one script in a fresh interpreter (as a user
 laid out as the page's first block writes it: `out/gpt2`, `out/gpt1` and `out/gpt2-transformers`,
 converted from the tiny fixture releases of tests/fixtures (GPT-1's with its 4 heads). The test then reads
 the variables the recipe computed. A recipe skips where its tool is not installed; the `test` extra
-installs all but TransformerLens (see pyproject.toml). Shell blocks run too, except those in `NOT_RUN`.
+installs them all but llama-cpp-python, which compiles llama.cpp on install (its converter comes from its
+source distribution, fetched from the package index). Shell blocks run too, except those in `NOT_RUN`.
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def run_recipe(folder: Path, title: str, names: list[str], replace: dict[str, st
         code = code.replace(old, new)
     script.write_text(code)
     out = script.with_suffix(".json")
-    checked_run([sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)], folder, title)
+    result = checked_run(
+        [sys.executable, "-c", RUNNER, str(script), json.dumps(names), str(out)], folder, title
+    )
+    (folder / f"{script.stem}.stderr").write_text(result.stderr)  # what the user saw, for tests to read
     return json.loads(out.read_text())
 
 
@@ -443,6 +447,71 @@ def test_transformers_serve_recipe(user_folder):
     assert out["served"] and out["served"] == out["local"], (out["served"], out["local"])
     assert out["chat_status"] == 400
     assert f"127.0.0.1:{port}" in log.read_text()  # where it listened: on the loopback address only
+
+
+# --- TRL ----------------------------------------------------------------------------------------------------
+
+# Lines that would alarm a user for nothing: transformers' model-type warning, torchao's failed loads and the
+# deprecation lines its import makes torch print, transformers' FutureWarning for TRL's
+# `gradient_checkpointing` default.
+ALARMS = ("You are using a model of type", "Failed to load", "_pytree", "FutureWarning", "Traceback")
+
+
+@pytest.mark.slow
+def test_trl_recipe(user_folder):
+    needs("trl")
+    out = run_recipe(user_folder, "TRL", ["losses", "trained_classes"])
+    assert set(out["losses"]) == {"out/gpt2", "out/gpt1"}
+    for folder, losses in out["losses"].items():
+        assert len(losses) == 8 and losses[-1] < 0.9 * losses[0], (folder, losses)
+    # hfgpt's installed classes (with the CPU backend), not the copies of their code in the folders.
+    assert out["trained_classes"] == ["hfgpt.modeling.modeling_hfgpt.GPTForCausalLM"] * 2
+    stderr = (user_folder / "recipe-trl.stderr").read_text()
+    assert not [line for line in stderr.splitlines() if any(alarm in line for alarm in ALARMS)], stderr[
+        -3000:
+    ]
+    # The fine-tuned checkpoints load as any other and hold the trained weights.
+    for name in ("gpt2", "gpt1"):
+        trained = GPTForCausalLM.from_pretrained(user_folder / "out" / f"{name}-sft")
+        before = GPTForCausalLM.from_pretrained(user_folder / "out" / name)
+        assert not torch.equal(trained.transformer.wte.weight, before.transformer.wte.weight)
+
+
+@pytest.mark.slow
+def test_trl_trains_gpt1_without_hfgpt_imported_with_sft_config_trust_remote_code(user_folder, tmp_path):
+    needs("trl")
+    script = tmp_path / "sft_gpt1.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, sys
+
+            from datasets import Dataset
+            from trl import SFTConfig, SFTTrainer
+
+            dataset = Dataset.from_dict({"text": ["The quick brown fox jumps over the lazy dog."] * 8})
+            config = SFTConfig(
+                output_dir=sys.argv[2], trust_remote_code=True, use_cpu=True, activation_checkpointing=False,
+                max_steps=4, learning_rate=1e-2, per_device_train_batch_size=4, logging_steps=1,
+                save_strategy="no", report_to="none",
+            )
+            trainer = SFTTrainer(model=sys.argv[1], args=config, train_dataset=dataset)
+            trainer.train()
+            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+            print(json.dumps({"losses": losses, "model": type(trainer.model).__module__,
+                              "tokenizer": type(trainer.processing_class).__module__}))
+            """
+        )
+    )
+    result = checked_run(
+        [sys.executable, str(script), "out/gpt1", str(tmp_path / "sft")], user_folder, "SFT on GPT-1"
+    )
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    # The folder's own copies of hfgpt's code, as where hfgpt is not installed.
+    assert out["model"].startswith("transformers_modules.") and out["model"].endswith(".modeling_hfgpt")
+    assert out["tokenizer"].endswith(".tokenization_gpt1")
+    assert out["losses"][-1] < out["losses"][0], out["losses"]
+    assert not [line for line in result.stderr.splitlines() if any(a in line for a in ALARMS)], result.stderr
 
 
 # --- PEFT, ONNX ----------------------------------------------------------------------------------------------
