@@ -334,17 +334,21 @@ LLAMA_CPP_GPT2_BLOCK_NAMES = {
 }
 
 
-@pytest.mark.slow
-def test_llama_cpp_converter_reads_the_transformers_format(user_folder):
-    import gguf
-    from safetensors.torch import load_file
-
-    release = llama_cpp_release()
-    archive = fetch_source_distribution(user_folder, "llama-cpp-python", release)
+@pytest.fixture(scope="module")
+def gguf_file(user_folder) -> Path:
+    """gpt2.gguf, written by the page's converter command from out/gpt2-transformers."""
+    archive = fetch_source_distribution(user_folder, "llama-cpp-python", llama_cpp_release())
     unpack_llama_cpp_converter(archive, user_folder)
     (command,) = (c.strip() for c in blocks("llama.cpp", "bash") if "convert_hf_to_gguf.py" in c)
     assert "out/gpt2-transformers --outfile gpt2.gguf" in command
     run_shell(user_folder, command)
+    return user_folder / "gpt2.gguf"
+
+
+@pytest.mark.slow
+def test_llama_cpp_converter_reads_the_transformers_format(user_folder, gguf_file):
+    import gguf
+    from safetensors.torch import load_file
 
     folder = user_folder / "out" / "gpt2-transformers"
     config = json.loads((folder / "config.json").read_text())
@@ -357,7 +361,7 @@ def test_llama_cpp_converter_reads_the_transformers_format(user_folder):
             for kind in ("weight", "bias"):
                 tensor = weights[f"transformer.h.{i}.{source}.{kind}"]
                 expected[f"blk.{i}.{name}.{kind}"] = (tensor, transpose and kind == "weight")
-    reader = gguf.GGUFReader(user_folder / "gpt2.gguf")
+    reader = gguf.GGUFReader(gguf_file)
     found = {tensor.name: tensor for tensor in reader.tensors}
     assert sorted(found) == sorted(expected)  # no output.weight: the head is tied to token_embd
     for name, (tensor, transpose) in expected.items():
@@ -376,10 +380,9 @@ def test_llama_cpp_converter_reads_the_transformers_format(user_folder):
 
 
 @pytest.mark.slow
-def test_llama_cpp_recipe(user_folder):
+def test_llama_cpp_recipe(user_folder, request):
     needs("llama_cpp")  # pip install llama-cpp-python compiles llama.cpp: the test extra leaves it out
-    if not (user_folder / "gpt2.gguf").exists():
-        test_llama_cpp_converter_reads_the_transformers_format(user_folder)
+    request.getfixturevalue("gguf_file")
     out = run_recipe(user_folder, "llama.cpp", ["same_ids", "llama_tokens", "hfgpt_tokens"])
     assert out["same_ids"] is True
     assert len(out["hfgpt_tokens"]) == 16 and out["llama_tokens"] == out["hfgpt_tokens"]
