@@ -452,6 +452,26 @@ def test_transformers_serve_recipe(user_folder):
     assert f"127.0.0.1:{port}" in log.read_text()  # where it listened: on the loopback address only
 
 
+@pytest.mark.slow
+def test_transformers_serve_refuses_an_hfgpt_folder_as_the_page_says(user_folder):
+    # The page tells users to serve the export because this fails: were a version of transformers to serve
+    # hfgpt's classes, this test would say so, and the page should then show that route.
+    needs("fastapi", "uvicorn", "openai")
+    command = f"transformers serve out/gpt2 --trust-remote-code --host 127.0.0.1 --port {free_local_port()}"
+    result = subprocess.run(
+        ["bash", "-c", f"exec {command} --device cpu"],
+        cwd=user_folder,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert result.returncode != 0
+    assert "module transformers has no attribute GPTForCausalLM" in result.stderr + result.stdout
+    assert "`module transformers has no attribute GPTForCausalLM`" in PAGE.read_text()
+
+
 # --- TRL ----------------------------------------------------------------------------------------------------
 
 # Lines that would alarm a user for nothing: transformers' model-type warning, torchao's failed loads and the
