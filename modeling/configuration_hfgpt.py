@@ -190,6 +190,16 @@ class GPTConfig(PretrainedConfig):
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
+    def get_config_dict(
+        cls, pretrained_model_name_or_path: Any, **kwargs: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        # A `gpt2` / `openai-gpt` config.json reads as the hfgpt config it is equivalent to, before
+        # `from_pretrained` compares model types: it would warn that loading one "is not supported and can
+        # yield errors", which hfgpt supports on purpose. Other model types still get that warning.
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return translate_transformers_config(config_dict), kwargs
+
+    @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "GPTConfig":
         # Accept configs written by transformers' own GPT2* (`gpt2`) and OpenAIGPT* (`openai-gpt`) classes,
         # so their checkpoints load directly into hfgpt models.
@@ -201,7 +211,9 @@ def translate_transformers_config(config_dict: dict[str, Any]) -> dict[str, Any]
     model_type = config_dict.get("model_type")
     if model_type not in ("gpt2", "openai-gpt"):
         return config_dict
-    out = {k: v for k, v in config_dict.items() if k not in ("model_type", "architectures", "auto_map")}
+    # n_ctx: the context length's old name, kept in their config.json beside n_positions (which hfgpt reads).
+    dropped = ("model_type", "architectures", "auto_map", "n_ctx")
+    out = {k: v for k, v in config_dict.items() if k not in dropped}
     out.pop("add_cross_attention", None)
     if model_type == "openai-gpt":
         afn = out.pop("afn", "gelu")

@@ -83,6 +83,10 @@ def to_transformers_config(config: GPTConfig) -> transformers.PretrainedConfig:
         "label2id": config.label2id,
         "problem_type": config.problem_type,
         "tie_word_embeddings": config.tie_word_embeddings,  # an untied head must stay untied
+        # The context length under its old name too, as the Hub's gpt2 and openai-gpt config.json have it:
+        # transformers reads n_positions, but llama.cpp's GPT-2 converter (convert_hf_to_gguf.py, GPT2Model)
+        # reads hparams["n_ctx"] and stops with a KeyError without it.
+        "n_ctx": config.n_positions,
     }
     if config.layer_norm_position == "pre":
         return transformers.GPT2Config(**{f: getattr(config, f) for f in _GPT2_CONFIG_FIELDS}, **common)

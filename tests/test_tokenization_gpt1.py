@@ -155,10 +155,27 @@ def test_finetune_tokens_have_the_original_ids() -> None:
 
 
 def test_decoding_joins_pieces_into_words(tokenizer: GPT1Tokenizer) -> None:
-    assert tokenizer.decode(EXPECTED["ids"][0]) == "the president is a very good man, isn't he?"
-    assert tokenizer.decode(EXPECTED["ids"][1]) == "karen was assigned a roommate her first year of college."
+    # A space before each word, the first one too (see convert_tokens_to_string).
+    assert tokenizer.decode(EXPECTED["ids"][0]) == " the president is a very good man, isn't he?"
+    assert tokenizer.decode(EXPECTED["ids"][1]) == " karen was assigned a roommate her first year of college."
     ids = tokenizer("first line\nsecond line")["input_ids"]
-    assert tokenizer.decode(ids) == "first line\nsecond line"
+    assert tokenizer.decode(ids) == " first line\nsecond line"
+    assert tokenizer.decode([]) == ""
+
+
+def test_decoded_parts_join_as_the_whole(tokenizer: GPT1Tokenizer) -> None:
+    # What streamers, pipelines and servers rely on: the new tokens, decoded alone and appended, read as the
+    # whole sequence decoded at once (cut after any word; GPT-2's byte-level pieces do the same).
+    ids = tokenizer("The quick brown fox, isn't it? It jumps\nover the lazy dog.")["input_ids"]
+    # (Not after a newline, where the part after it keeps its leading space: no prompt ends there, as the
+    # encoder drops a text's trailing whitespace, and streamers decode all the new tokens each time.)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    words_end = [
+        i for i in range(1, len(ids)) if pieces[i - 1].endswith("</w>") and pieces[i - 1] != "\n</w>"
+    ]
+    assert len(words_end) > 10 and "\n</w>" in pieces
+    for cut in words_end:
+        assert tokenizer.decode(ids[:cut]) + tokenizer.decode(ids[cut:]) == tokenizer.decode(ids), cut
 
 
 def test_offsets_point_into_the_original_text(tokenizer: GPT1Tokenizer) -> None:
@@ -486,7 +503,10 @@ def test_decoding_added_tokens_as_transformers_openai_gpt() -> None:
     ids = ours("_start_Hello_delimiter_World_classify_")["input_ids"]
     assert theirs.convert_ids_to_tokens(ids) == ours.convert_ids_to_tokens(ids)
     for skip in (False, True):
-        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+        # Ours puts a space before the first word too (convert_tokens_to_string), theirs does not.
+        assert ours.decode(ids, skip_special_tokens=skip) == " " + theirs.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 def test_resize_embeddings_to_tokenizer() -> None:

@@ -42,23 +42,26 @@ MUST_PASS = (
 )
 
 
-def fetch_source_distribution(folder: Path) -> Path:
-    """transformers==VERSION's source distribution, downloaded into `folder`; skips the test where the
-    package index cannot be reached."""
+def fetch_source_distribution(folder: Path, project: str = "transformers", version: str = VERSION) -> Path:
+    """`project`==`version`'s source distribution (by default the installed transformers'), downloaded into
+    `folder`; skips the test, naming what it could not fetch, where the package index cannot be reached.
+    tests/test_ecosystem.py fetches llama-cpp-python's this way too."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet"]
     command += ["--retries", "2", "--timeout", "30"]  # (an unreachable index fails within minutes)
     done = subprocess.run(
-        [*command, "--dest", str(folder), f"transformers=={VERSION}"],
+        [*command, "--dest", str(folder), f"{project}=={version}"],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
-    archive = folder / f"transformers-{VERSION}.tar.gz"
-    if done.returncode != 0 or not archive.is_file():
+    # The archive's name is the project's, normalised (llama-cpp-python -> llama_cpp_python-0.3.36.tar.gz).
+    archives = list(folder.glob(f"{re.sub(r'[-_.]+', '_', project)}-{version}.tar.gz"))
+    archives += list(folder.glob(f"{project}-{version}.tar.gz"))
+    if done.returncode != 0 or not archives:
         reason = (done.stderr.strip().splitlines() or ["no archive"])[-1]
-        pytest.skip(f"transformers=={VERSION}'s source distribution (its tests) not fetched: {reason}")
-    return archive
+        pytest.skip(f"{project}=={version}'s source distribution not fetched: {reason}")
+    return archives[0]
 
 
 def stub_missing_mixins(tests: Path) -> list[str]:

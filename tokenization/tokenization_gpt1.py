@@ -352,9 +352,23 @@ class GPT1Tokenizer(PreTrainedTokenizer):
         return self.decoder.get(index, str(self.unk_token))
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        """Join pieces into words: ``</w>`` ends a word; a newline token stands on its own."""
-        text = "".join(tokens).replace(_WORD_END, " ")
-        return re.sub(r" *\n *", "\n", text).strip(" ")
+        """Join pieces into words, a space before each word: ``</w>`` ends a word; a newline token stands
+        on its own.
+
+        The space goes before a word, as GPT-2's byte-level pieces carry it (``Ġfox``), not after it, so
+        that ids decoded in parts join as the whole does: ``decode(a) + decode(b) == decode(a + b)`` where
+        ``a`` ends a word. The first piece is taken to follow a word end too, as the new tokens of a
+        generation always do (GPT-1's encoder ends every text with one): transformers' text-generation
+        pipeline, its streamers and its server decode only the new tokens and append them to the prompt,
+        which then reads "fox jumps" rather than "foxjumps". A whole text therefore decodes with a leading
+        space (``" the quick brown fox"``).
+        """
+        if not tokens:
+            return ""
+        text = " " + "".join(tokens).replace(_WORD_END, " ")
+        if text.endswith(" ") and tokens[-1].endswith(_WORD_END):
+            text = text[:-1]  # the next decoded part brings the space
+        return re.sub(r" *\n *", "\n", text)
 
     # -- the original pipeline ----------------------------------------------------------------------------
     def bpe(self, token: str) -> str:
