@@ -1,16 +1,10 @@
-"""How the CPU backend plugs into hfgpt's models: `GPTForCausalLM.forward` runs each decoding step of
-`generate()` in one call into C where that computes what the model's own code would, and the model's own
-forward everywhere else.
-
-It changes one thing, once, at the class, as Liger's `apply_liger_kernel_to_*` functions do: `install()`
-wraps `GPTForCausalLM.forward` in `forward` below, which asks `hfgpt.cpu.decoding` whether this call is one
-decoding step it computes exactly (the model's modules, classes, methods, hooks, parameters, attention
-function and the call's arguments, as they are at this call) and otherwise calls the model file's forward
-with the same arguments. Nothing is set on a model instance but one flag (`kernelize`, `unkernelize`), so a
-model pickles, deep-copies, saves and loads as the plain one does; `torch.compile`, `torch.export` and
-`torch.jit.trace` run the model file's forward. Prefill and training run the model file's code: measured
-per host, no faster path for them beat transformers' own model by a margin that pays for its code
-(benchmarks/RESULTS.md).
+"""How the CPU backend plugs into hfgpt's models (docs/cpu-backend.md, "How it plugs in"): once, at the class,
+as Liger's `apply_liger_kernel_to_*` functions do, `install()` wraps `GPTForCausalLM.forward` in `forward`
+below, which runs a decoding step in one call into C where `hfgpt.cpu.decoding` says that computes what the
+model's own code would, and otherwise the model file's forward with the same arguments. Nothing is set on a
+model but one flag (`kernelize`, `unkernelize`), so it pickles, copies and saves as the plain one. Prefill and
+training run the model file's code: no faster path for them beat transformers' own by a margin worth its code
+on every host (benchmarks/RESULTS.md).
 """
 
 import functools
@@ -50,21 +44,14 @@ def runs_backend(model: nn.Module) -> bool:
 
 @functools.wraps(_MODEL_FILE_FORWARD)
 def forward(
-    self: GPTForCausalLM,
-    input_ids: torch.LongTensor | None = None,
-    cache: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    token_type_ids: torch.LongTensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.LongTensor | None = None,
-    use_cache: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    **kwargs: Any,
-) -> CausalLMOutputWithPast | tuple:
+    self: GPTForCausalLM, input_ids: torch.LongTensor | None = None, cache: Any = None,
+    attention_mask: torch.Tensor | None = None, token_type_ids: torch.LongTensor | None = None,
+    position_ids: torch.LongTensor | None = None, inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0, **kwargs: Any,
+) -> CausalLMOutputWithPast | tuple:  # fmt: skip
     """`GPTForCausalLM.forward`, a decoding step of which runs in one call into C where it computes what
-    the model's own code would (`hfgpt.cpu.decoding.decoding_step`), its LM head's few rows as
-    `hfgpt.cpu.products.few_rows_product`."""
+    the model's own code would (`decoding_step`), its LM head's few rows as `few_rows_product`."""
     if (
         labels is None
         and token_type_ids is None
