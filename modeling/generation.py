@@ -21,8 +21,8 @@ cache `generate()` prepared (a `DynamicCache` unless you ask for another), with 
 
 The tokens are greedy `generate()`'s: the same argmax of the same float32 logits, padding after the end of
 sequence and the same stopping length. It takes what a plain decoding loop needs (prompts with an attention
-mask, `max_new_tokens` / `max_length`, `eos_token_id`, `pad_token_id`, sampling with temperature, top-k,
-top-p or min-p); beam search, streamers, other logits processors and stopping criteria, and outputs beyond
+mask, `max_new_tokens` / `max_length`, `eos_token_id`, `pad_token_id`, `suppress_tokens`, sampling with
+temperature, top-k, top-p or min-p); beam search, streamers, other logits processors and stopping criteria, and outputs beyond
 the sequences are refused with an error rather than ignored.
 """
 
@@ -41,14 +41,22 @@ from transformers.generation import (
     GenerateDecoderOnlyOutput,
     MaxLengthCriteria,
     MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 # Logits processors the step runs on the device: each reads the scores only (never the ids so far, whose
-# length grows), with operations of fixed shapes.
-DEVICE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# length grows), with operations of fixed shapes. `suppress_tokens` keeps the ids of a vocabulary padded past
+# the tokenizer's (`resize_token_embeddings(..., pad_to_multiple_of=64)`) from being chosen.
+DEVICE_PROCESSORS = (
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+)
 # Model inputs the loop makes itself, or that generate() passes and the loop takes over.
 _LOOP_INPUTS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 
@@ -207,11 +215,10 @@ def _refuse_unsupported(
     if getattr(config, "is_assistant", False) or config.prefill_chunk_size is not None:
         raise ValueError("decode_on_device does not run assisted decoding or chunked prefill")
     unknown = [type(p).__name__ for p in logits_processor if not isinstance(p, DEVICE_PROCESSORS)]
-    if unknown or (logits_processor and not config.do_sample):
+    if unknown:
         raise ValueError(
             f"decode_on_device runs the logits processors {', '.join(c.__name__ for c in DEVICE_PROCESSORS)} "
-            f"when sampling, and none in greedy decoding; this call has {unknown or logits_processor}: use "
-            "plain generate()"
+            f"only; this call has {unknown}: use plain generate()"
         )
     others = [
         type(c).__name__
@@ -318,7 +325,7 @@ def decode_on_device(
         return_dict=True,
         **{cache_name: cache},
     )
-    processors = logits_processor if generation_config.do_sample else LogitsProcessorList()
+    processors = logits_processor
     state.select(outputs.logits[:, -1].float(), processors, generation_config.do_sample, generator)
     del outputs
 
