@@ -4,6 +4,11 @@ ids, on a dynamic and a static cache, eager and with the whole step compiled (on
 the same loop on transformers' own GPT-2 with the same weights; sampling on the device; and an error for
 everything it does not do."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -13,6 +18,7 @@ from hfgpt.modeling import GPTConfig, GPTForCausalLM
 from hfgpt.modeling.generation import DecodeState, decode_on_device
 from hfgpt.modeling.interop import to_transformers
 
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 257
 # Head width 8 (the plain forward) and 64 (hfgpt's CPU backend decodes each step in one call into C there).
 SIZES = {"heads of 8": dict(n_embd=32, n_head=4), "heads of 64": dict(n_embd=128, n_head=2)}
@@ -217,3 +223,27 @@ def test_cuda_graphs_give_the_eager_tokens(norm):
     expected = model.generate(**inputs, **GREEDY)
     for _ in range(2):
         assert torch.equal(model.generate(**inputs, **GREEDY, custom_generate=decode_on_device), expected)
+
+
+@pytest.mark.slow
+def test_the_gpu_pages_loop_and_padding_blocks_run(tmp_path):
+    """docs/gpu.md's blocks on the on-device loop and on vocabulary padding run as they are (on the CPU here),
+    and the loop's block prints that its tokens are generate()'s."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    blocks = [
+        code
+        for language, code in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+        if language == "python" and ("decode_on_device" in code or "pad_to_multiple_of" in code)
+    ]
+    assert len(blocks) == 2
+    outputs = []
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"block_{i}.py"
+        script.write_text(code)
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, f"{code}\n{proc.stderr[-3000:]}"
+        outputs.append(proc.stdout)
+    loop = next(out for out, code in zip(outputs, blocks, strict=True) if "decode_on_device" in code)
+    assert loop.strip().endswith("torch.Size([2, 37]) True")
