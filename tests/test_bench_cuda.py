@@ -69,20 +69,25 @@ def test_decoding_rows_have_every_kind_and_the_same_tokens(tiny_reports):
                 for r in rows
                 if r["model"] == model and r["case"].startswith(f"B={batch},")
             }
-            expected = {("hfgpt", "dynamic cache"), ("hfgpt", "continuous batching")}
+            # continuous batching at the profile's batch for it only (B=3 here; 16 and 64 on a GPU)
+            expected = {("hfgpt", "dynamic cache"), ("hfgpt", "on-device loop")}
+            expected |= {("hfgpt", "continuous batching")} if batch == 3 else set()
             if model == "GPT-1":  # transformers' GPT-1 has no cache: one row, recomputing
                 expected.add(("transformers", "dynamic cache (no KV cache: recomputes)"))
             else:
-                expected |= {("transformers", "dynamic cache"), ("transformers", "continuous batching")}
+                expected |= {("transformers", "dynamic cache"), ("transformers", "on-device loop")}
+                expected |= {("transformers", "continuous batching")} if batch == 3 else set()
             assert mine == expected, (model, batch)
     for row in rows:
         ex = row["extra"]
         assert row["rate"] == pytest.approx(int(row["case"][2:].split(",")[0]) * 6 / row["median_s"])
         assert ex["ms_per_token_step"] == pytest.approx(1000 * row["median_s"] / 6)
         assert 0 < ex["floor_ms_per_step"] < ex["floor_with_cache_ms_per_step"]
-        # float32 would agree everywhere; in bfloat16 a batch of other rows may round differently
-        if row["impl"] == "hfgpt" and row["mode"] == "dynamic cache":
-            assert ex["tokens_equal_hfgpt_dynamic"] is True
+        # float32 would agree everywhere; in bfloat16 a batch of other rows may round differently. hfgpt's
+        # on-device loop runs eagerly here, on generate()'s cache: the same computation, the same tokens.
+        if row["impl"] == "hfgpt" and row["mode"] in ("dynamic cache", "on-device loop"):
+            assert ex["tokens_equal_hfgpt_dynamic"] is True and ex["tokens_equal_hfgpt_dynamic_first"] == 6
+        assert 0 <= ex["tokens_equal_hfgpt_dynamic_first"] <= 6
 
 
 def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
@@ -102,6 +107,45 @@ def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
     torch.testing.assert_close(losses["reference"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses["transformers"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads["reference"], grads["hfgpt"], rtol=1e-4, atol=1e-6)
+
+
+def test_loss_slice_contenders_set_the_slices_for_their_steps_only(monkeypatch):
+    """A training contender with a loss slice size runs its steps with hfgpt's fused-loss setting at that many
+    logits (read as the loss runs: on the CPU, `LOSS_CHUNK_ELEMENTS`), leaves the setting as it was between
+    steps, and its row says the size beside the default contender's; the table's line lists them beside the
+    reference."""
+    from hfgpt.modeling import modeling_hfgpt
+
+    setting = bench_cuda.loss_slice_setting("cpu")
+    default = getattr(modeling_hfgpt, setting)
+    seen = []
+    real = bench_cuda.loss_of
+
+    def spy(model, ids, attention_mask=None):
+        seen.append(getattr(modeling_hfgpt, setting))
+        return real(model, ids, attention_mask)
+
+    monkeypatch.setattr(bench_cuda, "loss_of", spy)
+    profile = bench_cuda.PROFILES["tiny"]
+    groups = ((0.0, ((bench_cuda.HFGPT, bench_cuda.EAGER), (bench_cuda.HFGPT, bench_cuda.EAGER, 1 << 12),
+                     (bench_cuda.REFERENCE, bench_cuda.EAGER))),)  # fmt: skip
+    ctx = bench_cuda.Context("cpu", "tiny", {**profile, "train_groups": groups}, {"bf16_matmul_flops_per_s": 1e9},
+                             False, 1.0, deadline=math.inf)  # fmt: skip
+    with bench_cuda.loss_slices("cpu", 1 << 12):
+        assert getattr(modeling_hfgpt, setting) == 1 << 12
+    assert getattr(modeling_hfgpt, setting) == default
+    bench_cuda.train_rows(ctx, "gpt2")
+    assert ctx.errors == [] and getattr(modeling_hfgpt, setting) == default
+    rows = {(r.impl, r.mode): r for r in ctx.rows}
+    assert rows["hfgpt", "eager"].extra["loss_slice_elements"] == default
+    assert rows["hfgpt", "eager, loss slices of 2**12 logits"].extra["loss_slice_elements"] == 1 << 12
+    assert rows["reference", "eager"].extra["loss_slice_elements"] is None
+    # each contender's steps: its first, its warm-ups, the one measured for memory, the timed ones
+    steps = 1 + (profile["train_warmup"] - 1) + 1 + profile["train_repeats"]
+    assert seen.count(1 << 12) == steps and seen.count(default) == 2 * steps == len(seen) - steps
+    line = bench_cuda.loss_slice_lines([vars(r) for r in ctx.rows])[0]
+    assert line.startswith("Eager steps, GPT-2 124M, B=2x32, bf16 autocast, dropout 0, ms")
+    assert "(2**12)" in line and "(2**26)" in line and "reference" in line
 
 
 def test_largest_fitting_doubles_then_bisects():
@@ -311,6 +355,8 @@ def test_a_time_budget_keeps_room_for_the_timed_rounds(tmp_path, monkeypatch):
         "transformers dynamic cache",
     ]
     assert [s.rsplit(" ", 3)[-3:] for s in report["skipped"]] == [
+        ["hfgpt", "on-device", "loop"],
+        ["transformers", "on-device", "loop"],
         ["hfgpt", "continuous", "batching"],
         ["transformers", "continuous", "batching"],
     ]
