@@ -171,7 +171,8 @@ _COMPILED_STEP: Any = None
 def _compiled_step() -> Any:
     global _COMPILED_STEP
     if _COMPILED_STEP is None:
-        _COMPILED_STEP = torch.compile(_forward_step, mode="reduce-overhead", fullgraph=True)
+        # (dynamic=False: a graph per batch size and length, as transformers' CompileConfig compiles its step)
+        _COMPILED_STEP = torch.compile(_forward_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     return _COMPILED_STEP
 
 
@@ -299,7 +300,8 @@ def decode_on_device(
 
     # The cache (of max_length - 1 positions: the last token is never fed back) and the state.
     if compiled:
-        key = (batch, max_length, device, model.dtype, tuple(eos_ids), pad)
+        # (inference mode too: buffers made under it cannot be updated outside it)
+        key = (batch, max_length, device, model.dtype, tuple(eos_ids), pad, torch.is_inference_mode_enabled())
         kept = _BUFFERS.setdefault(model, {})
         if key not in kept:
             static = StaticCache(config=model.config, max_cache_len=max_length - 1)

@@ -214,6 +214,26 @@ def test_the_compiled_step_is_one_graph_with_the_eager_tokens(norm):
     assert dict(counters["graph_break"]) == {} and dict(counters["recompiles"]) == {}
 
 
+@pytest.mark.slow
+def test_the_compiled_step_samples_from_torchs_seed_and_follows_inference_mode():
+    """Sampling in the compiled step draws from torch's default generator (the same seed, the same tokens; another
+    seed, others), and a call under torch.inference_mode() then one outside it both decode (the buffers made
+    under inference mode are kept apart from the others)."""
+    model = tiny_model("pre")
+    inputs = prompts(3)
+    sample = dict(GREEDY, do_sample=True, top_k=5, custom_generate=decode_on_device, compile_step=True)
+    draws = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        draws.append(model.generate(**inputs, **sample))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    expected = model.generate(**inputs, **GREEDY)
+    with torch.inference_mode():
+        inside = model.generate(**inputs, **GREEDY, custom_generate=decode_on_device, compile_step=True)
+    outside = model.generate(**inputs, **GREEDY, custom_generate=decode_on_device, compile_step=True)
+    assert torch.equal(inside, expected) and torch.equal(outside, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_cuda_graphs_give_the_eager_tokens(norm):
