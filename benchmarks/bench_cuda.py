@@ -97,8 +97,9 @@ COMPILED_KINDS = (STATIC, GRAPHS)  # (left out with --no-compile; the loop then 
 # `quick` the main rows with fewer repeats; `claims` the rows the open claims need (README.md's GPU table),
 # medians of 5, the most important first so that a time budget leaves out the least; `tiny` shrinks the models
 # (hidden 32, 2 layers) for the CPU smoke run. A training contender is (implementation, mode) or (implementation,
-# mode, logits a slice of hfgpt's fused loss); `decode_kind_batches` runs a kind at those batch sizes only
-# (the others run at `decode_batches`).
+# mode, logits a slice of hfgpt's fused loss). Decoding runs each kind of `decode_kinds` at its batch sizes:
+# `decode_kind_batches[kind]`, else `decode_family_batches[model]`, else `decode_batches`; and for the
+# implementations of `decode_impls[kind]` (default both).
 FULL_PROFILE: dict[str, Any] = dict(
     train_models=("gpt2", "gpt2-medium"),
     train_batch=16,
@@ -153,6 +154,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "decode_repeats": 2,
         "slow_repeats": 1,
     },
+    # What one 10-minute call on an H100 or H200 can hold, with --sections decode,train --time-budget-s 400
+    # (compiling a decoding contender takes about 10 s there, a training one 20-40 s; continuous batching
+    # about 15 s a run): GPT-2 at B=1 (the on-device loop, CUDA graphs, the dynamic cache's tokens) and B=64
+    # (each of transformers' configurations against hfgpt's), GPT-1 at B=64 with its cache against
+    # transformers' recomputing, then training against the reference at dropout 0, the fused loss in slices
+    # of 2**28 logits beside it, and against transformers at dropout 0.1. `full` has the rest.
     "claims": {
         **FULL_PROFILE,
         "train_models": ("gpt2",),
@@ -162,14 +169,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         ),
         "train_repeats": 5,
         "budget_models": (),
-        # GPT-2 first (its B=1 loop row is the headline); GPT-1 with its cache against transformers' recomputing
-        "decode_families": ("gpt2", "openai-gpt"),
         "decode_kinds": {
             "gpt2": (DYNAMIC, LOOP, GRAPHS, STATIC, CONTINUOUS),
-            "openai-gpt": (DYNAMIC, LOOP, GRAPHS, CONTINUOUS),
+            "openai-gpt": (DYNAMIC, LOOP),
         },
         "decode_batches": (1, 64),
-        "decode_kind_batches": {CONTINUOUS: (16, 64), STATIC: (64,)},
+        "decode_family_batches": {"openai-gpt": (64,)},
+        "decode_kind_batches": {CONTINUOUS: (64,), STATIC: (64,)},
+        "decode_impls": {LOOP: (HFGPT,), CONTINUOUS: (TRANSFORMERS,)},
         "decode_repeats": 5,
         "slow_repeats": 2,
     },
@@ -760,12 +767,14 @@ def decode_rows(ctx: Context, preset: str) -> None:
         for impl, model in ((HFGPT, ours), (TRANSFORMERS, peer)):
             if kind != DYNAMIC and not has_cache and impl == TRANSFORMERS:
                 continue  # transformers' GPT-1 has no cache to make static, page or capture
+            if impl not in profile.get("decode_impls", {}).get(kind, (HFGPT, TRANSFORMERS)):
+                continue
             copy_ = model if kind == DYNAMIC else copy.deepcopy(model)
             if kind == CONTINUOUS and impl == HFGPT:
                 copy_ = unkernelize(copy_)  # continuous batching refuses the CPU backend's attention
             models[impl, kind] = copy_
     new = profile["new_tokens"]
-    for batch in decode_batches_of(profile, kinds):
+    for batch in decode_batches_of(profile, preset, kinds):
         prompts = left_padded_prompts(batch, profile["prompt_len"], config.vocab_size, 0, ctx.device)
         case = f"B={batch}, {profile['prompt_len']}+{new} tokens, bf16 weights"
         runs: dict[str, Callable[[], torch.Tensor]] = {}
@@ -776,7 +785,7 @@ def decode_rows(ctx: Context, preset: str) -> None:
         # dynamic-cache call, which compiling makes no slower), so that a time budget leaves them room.
         reserve_s = 0.0
         for (impl, kind), model in models.items():
-            if batch not in decode_batches_of(profile, (kind,)):
+            if batch not in decode_batches_of(profile, preset, (kind,)):
                 continue
             name = f"{impl} {kind}"
             what = f"decode {preset} {case} {name}"
@@ -858,11 +867,12 @@ def matching_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
     return int((tokens == reference).long().cumprod(dim=1).sum(dim=1).min())
 
 
-def decode_batches_of(profile: dict[str, Any], kinds: Iterable[str]) -> list[int]:
-    """The batch sizes at which any of `kinds` runs, in increasing order: a kind's own
-    (`decode_kind_batches`), else the profile's `decode_batches`."""
-    own = profile.get("decode_kind_batches", {})
-    return sorted({b for kind in kinds for b in own.get(kind, profile["decode_batches"])})
+def decode_batches_of(profile: dict[str, Any], preset: str, kinds: Iterable[str]) -> list[int]:
+    """The batch sizes at which any of `kinds` runs for `preset`, in increasing order: a kind's own
+    (`decode_kind_batches`), else the model's (`decode_family_batches`), else the profile's `decode_batches`."""
+    own, family = profile.get("decode_kind_batches", {}), profile.get("decode_family_batches", {})
+    default = family.get(preset, profile["decode_batches"])
+    return sorted({b for kind in kinds for b in own.get(kind, default)})
 
 
 def mean_cache_bytes(config: GPTConfig, batch: int, prompt_len: int, new: int) -> int:
@@ -991,7 +1001,7 @@ def run(
             profile[key] = tuple(m for m in profile[key] if m in models)
     if decode_batches is not None:  # (every kind at these batch sizes)
         profile["decode_batches"] = decode_batches
-        profile["decode_kind_batches"] = {}
+        profile["decode_kind_batches"], profile["decode_family_batches"] = {}, {}
     if device.startswith("cuda"):
         # TF32 for the float32 matmuls left inside autocast (none of the models' products): the usual setting.
         torch.backends.cuda.matmul.allow_tf32 = True

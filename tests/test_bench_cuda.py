@@ -148,6 +148,44 @@ def test_loss_slice_contenders_set_the_slices_for_their_steps_only(monkeypatch):
     assert "(2**12)" in line and "(2**26)" in line and "reference" in line
 
 
+def test_the_claims_profile_runs_its_decoding_plan(tmp_path, monkeypatch):
+    """The `claims` profile's decoding rows, at tiny size on the CPU without compiling: GPT-2 at B=1 and B=64
+    (hfgpt's on-device loop, transformers' continuous batching at B=64 only), GPT-1 at B=64 only; and the
+    claims of the loop at B=1, the best at B=64 and GPT-1's against transformers' have their figures."""
+    tiny = bench_cuda.PROFILES["tiny"]
+    sizes = ("prompt_len", "new_tokens", "model_overrides", "matmul_size", "read_bytes")
+    profile = {
+        **bench_cuda.PROFILES["claims"],
+        **{k: tiny[k] for k in sizes},
+        "decode_repeats": 1,
+        "slow_repeats": 1,
+    }
+    monkeypatch.setitem(bench_cuda.PROFILES, "claims-tiny", profile)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = bench_cuda.run("claims-tiny", "cpu", ("decode",), compile=False, json_dir=tmp_path)["decode"]
+    finally:
+        torch.set_num_threads(before)
+    assert report["errors"] == [] and report["skipped"] == []
+    seen = {(r["model"], r["case"].split(",")[0], r["impl"], r["mode"]) for r in report["rows"]}
+    gpt2 = {("hfgpt", "dynamic cache"), ("transformers", "dynamic cache"), ("hfgpt", "on-device loop")}
+    assert seen == {
+        *{("GPT-2 124M", "B=1", *c) for c in gpt2},
+        *{("GPT-2 124M", "B=64", *c) for c in gpt2 | {("transformers", "continuous batching")}},
+        ("GPT-1", "B=64", "hfgpt", "dynamic cache"),
+        ("GPT-1", "B=64", "hfgpt", "on-device loop"),
+        ("GPT-1", "B=64", "transformers", "dynamic cache (no KV cache: recomputes)"),
+    }
+    claims = {c["claim"]: c for c in report["checks"]}
+    for claim in (
+        "GPT-2 124M B=1: on-device loop, hfgpt ms per token",
+        "GPT-2 124M B=64: best hfgpt / best transformers throughput",
+        "GPT-1 B=64: best hfgpt with its cache / transformers (no cache)",
+    ):
+        assert claims[claim]["value"] > 0, claim
+
+
 def test_largest_fitting_doubles_then_bisects():
     limit = 37
     tried = []
