@@ -57,6 +57,10 @@ DEVICE_PROCESSORS = (
     TopPLogitsWarper,
     MinPLogitsWarper,
 )
+# The compiled step's cache length and token buffer are rounded up to a multiple of this, so that prompts and
+# continuations of other lengths reuse its graph (the positions past the end are masked, as in any static
+# cache).
+COMPILED_LENGTH_MULTIPLE = 64
 # Model inputs the loop makes itself, or that generate() passes and the loop takes over.
 _LOOP_INPUTS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 
@@ -257,8 +261,9 @@ def decode_on_device(
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
 
     compile_step: compile the whole step with `torch.compile(mode="reduce-overhead", fullgraph=True)` on a static
-        cache, kept for the next calls of the same batch size and length (CUDA graphs on a GPU). Default: on CUDA
-        yes, elsewhere no (there the step runs eagerly on the cache `generate()` prepared).
+        cache, kept for the next calls of the same batch size and lengths rounded up to a multiple of
+        `COMPILED_LENGTH_MULTIPLE` (CUDA graphs on a GPU). Default: on CUDA yes, elsewhere no (there the step runs
+        eagerly on the cache `generate()` prepared).
     stop_check_interval: read whether every row has finished once every this many steps (the loop's only host
         syncs; the steps taken past the end are trimmed, so the tokens do not depend on it).
     generator: the random generator of the draws when sampling, on the eager step (the compiled step draws from
@@ -300,13 +305,25 @@ def decode_on_device(
 
     # The cache (of max_length - 1 positions: the last token is never fed back) and the state.
     if compiled:
+        length, slots = (
+            -(-n // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE for n in (max_length - 1, new_tokens)
+        )
         # (inference mode too: buffers made under it cannot be updated outside it)
-        key = (batch, max_length, device, model.dtype, tuple(eos_ids), pad, torch.is_inference_mode_enabled())
+        key = (
+            batch,
+            length,
+            slots,
+            device,
+            model.dtype,
+            tuple(eos_ids),
+            pad,
+            torch.is_inference_mode_enabled(),
+        )
         kept = _BUFFERS.setdefault(model, {})
         if key not in kept:
-            static = StaticCache(config=model.config, max_cache_len=max_length - 1)
+            static = StaticCache(config=model.config, max_cache_len=length)
             kept.clear()  # (one shape at a time per model: the graphs of others go stale with their memory)
-            kept[key] = static, DecodeState(batch, new_tokens, max_length - 1, eos, pad, device)
+            kept[key] = static, DecodeState(batch, slots, length, eos, pad, device)
         cache, state = kept[key]
         cache.reset()
         step = _compiled_step()

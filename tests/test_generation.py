@@ -4,6 +4,7 @@ ids, on a dynamic and a static cache, eager and with the whole step compiled (on
 the same loop on transformers' own GPT-2 with the same weights; sampling on the device; and an error for
 everything it does not do."""
 
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +67,28 @@ def test_greedy_tokens_equal_generate(norm, batch, cache, size):
     assert got.shape == expected.shape == (batch, 9 + 12)
     assert torch.equal(got, expected)
     assert len(set(got[:, 9:].flatten().tolist())) > 3  # (the model does not repeat one token)
+
+
+@pytest.mark.slow
+def test_the_plain_model_without_the_cpu_backend_gives_the_same_tokens(tmp_path):
+    """With hfgpt's CPU backend off (HFGPT_CPU_BACKEND=0: the plain model file, as on a GPU), the loop, eager and
+    with the static cache, still gives generate()'s tokens, GPT-2 and GPT-1, heads of 64."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import torch, test_generation as t\n"
+        "from hfgpt.modeling.generation import decode_on_device\n"
+        "for norm in ('pre', 'post'):\n"
+        "    model, inputs = t.tiny_model(norm, 'heads of 64'), t.prompts(4)\n"
+        "    for cache in ('dynamic', 'static'):\n"
+        "        kw = dict(t.GREEDY, cache_implementation=cache)\n"
+        "        got = model.generate(**inputs, **kw, custom_generate=decode_on_device)\n"
+        "        assert torch.equal(got, model.generate(**inputs, **kw)), (norm, cache)\n"
+        "print('equal')\n"
+    )
+    env = {**os.environ, "HFGPT_CPU_BACKEND": "0", "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "equal"
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
@@ -197,19 +220,22 @@ def test_what_it_does_not_do_is_refused(kwargs, message):
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_the_compiled_step_is_one_graph_with_the_eager_tokens(norm):
     """compile_step=True (the default on CUDA): the whole step, model forward, token selection and counters, in
-    one graph without a break, compiled once and reused by a second call with other prompts of the same shape,
-    whose buffers it resets; the tokens those of eager generate(), eos stopping included."""
+    one graph without a break, compiled once and reused by later calls with other prompts, of other lengths too
+    (rounded up to the same multiple), whose buffers it resets; the tokens those of eager generate(), eos
+    stopping included."""
     model = tiny_model(norm)
-    first, second = prompts(3), prompts(3, seed=2)
+    first, second, longer = prompts(3), prompts(3, seed=2), prompts(3, length=13, seed=3)
     free = model.generate(**first, **GREEDY)[:, 9:]
     eos = sorted({int(free[row, 3]) for row in range(3)})
     kwargs = dict(GREEDY, eos_token_id=eos)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    for inputs in (first, second, first):
-        got = model.generate(**inputs, **kwargs, custom_generate=decode_on_device, compile_step=True)
-        assert torch.equal(got, model.generate(**inputs, **kwargs))
+    # (a longer prompt and fewer new tokens: lengths in the same multiple of 64, the same graph)
+    for inputs, new in ((first, 12), (second, 12), (longer, 9), (first, 12)):
+        options = dict(kwargs, max_new_tokens=new)
+        got = model.generate(**inputs, **options, custom_generate=decode_on_device, compile_step=True)
+        assert torch.equal(got, model.generate(**inputs, **options))
     assert counters["stats"]["unique_graphs"] == 1
     assert dict(counters["graph_break"]) == {} and dict(counters["recompiles"]) == {}
 
