@@ -9,7 +9,8 @@ Two sections (`--sections`), each written to its own figures file (`figures-<dev
   file (the ceiling: what the frameworks cost above it is the margin to win). Each eager and under
   `torch.compile` (whole model, default mode), at dropout 0 (against the reference) and at GPT-2's own
   dropout 0.1 (against transformers); hfgpt compiled again with its fused loss in other slice sizes
-  (`ACCELERATOR_LOSS_CHUNK_ELEMENTS`: logits a slice) beside the reference. Step time, tokens/s, MFU against the bf16 matmul rate measured in
+  (`ACCELERATOR_LOSS_CHUNK_ELEMENTS`: logits a slice) and with its vocabulary padded to a multiple of 64
+  (docs/gpu.md's recipe), beside the reference. Step time, tokens/s, MFU against the bf16 matmul rate measured in
   the same run, and each contender's peak memory (`torch.cuda.max_memory_allocated`, its model, its
   optimizer state and the step); then, per model, the largest batch whose training step fits in
   `--memory-budget-gib` (eager, dropout 0.1).
@@ -32,7 +33,7 @@ important rows first, so that a run on a lent GPU always writes its figures.
 
     python benchmarks/bench_cuda.py                      # the full run on CUDA: ~10 min on an H100
     python benchmarks/bench_cuda.py --quick              # the main rows, fewer repeats: ~6 min
-    python benchmarks/bench_cuda.py --profile claims --time-budget-s 420  # the open claims, medians of 5
+    python benchmarks/bench_cuda.py --profile claims --sections decode,train --time-budget-s 400  # one call
     python benchmarks/bench_cuda.py --tiny --device cpu  # the smoke run (tests/test_bench_cuda.py)
     python benchmarks/bench_cuda.py --update-docs        # the README's "Speed on a GPU" from the figures
 """
@@ -97,7 +98,8 @@ COMPILED_KINDS = (STATIC, GRAPHS)  # (left out with --no-compile; the loop then 
 # `quick` the main rows with fewer repeats; `claims` the rows the open claims need (README.md's GPU table),
 # medians of 5, the most important first so that a time budget leaves out the least; `tiny` shrinks the models
 # (hidden 32, 2 layers) for the CPU smoke run. A training contender is (implementation, mode) or (implementation,
-# mode, logits a slice of hfgpt's fused loss). Decoding runs each kind of `decode_kinds` at its batch sizes:
+# mode, options): hfgpt with its fused loss in slices of `loss_slice` logits, or its vocabulary padded to a
+# multiple of `pad_vocab_to` (`resize_token_embeddings`, docs/gpu.md). Decoding runs each kind of `decode_kinds` at its batch sizes:
 # `decode_kind_batches[kind]`, else `decode_family_batches[model]`, else `decode_batches`; and for the
 # implementations of `decode_impls[kind]` (default both).
 FULL_PROFILE: dict[str, Any] = dict(
@@ -114,8 +116,9 @@ FULL_PROFILE: dict[str, Any] = dict(
                 (REFERENCE, COMPILED),
                 (TRANSFORMERS, COMPILED),
                 (REFERENCE, EAGER),
-                (HFGPT, COMPILED, 1 << 26),
-                (HFGPT, COMPILED, 1 << 28),
+                (HFGPT, COMPILED, {"loss_slice": 1 << 26}),
+                (HFGPT, COMPILED, {"loss_slice": 1 << 28}),
+                (HFGPT, COMPILED, {"pad_vocab_to": 64}),
             ),
         ),
     ),
@@ -155,28 +158,34 @@ PROFILES: dict[str, dict[str, Any]] = {
         "slow_repeats": 1,
     },
     # What one 10-minute call on an H100 or H200 can hold, with --sections decode,train --time-budget-s 400
-    # (compiling a decoding contender takes about 10 s there, a training one 20-40 s; continuous batching
-    # about 15 s a run): GPT-2 at B=1 (the on-device loop, CUDA graphs, the dynamic cache's tokens) and B=64
-    # (each of transformers' configurations against hfgpt's), GPT-1 at B=64 with its cache against
-    # transformers' recomputing, then training against the reference at dropout 0, the fused loss in slices
-    # of 2**28 logits beside it, and against transformers at dropout 0.1. `full` has the rest.
+    # (on an H200 compiling a decoding contender took about 10 s, a training one 20-40 s, and a run of
+    # continuous batching 15 s at B=1, so it is left to `full`): GPT-2 at B=1 (the on-device loop, CUDA graphs,
+    # the dynamic cache's tokens) and B=64 (transformers' dynamic, static and CUDA-graph configurations against
+    # hfgpt's), GPT-1 at B=64 with its cache against transformers' recomputing; then training against the
+    # reference at dropout 0, against transformers at dropout 0.1, and hfgpt with its vocabulary padded and its
+    # fused loss in slices of 2**28 logits beside the reference again (the first left out by a budget).
     "claims": {
         **FULL_PROFILE,
         "train_models": ("gpt2",),
         "train_groups": (
-            (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED), (HFGPT, COMPILED, 1 << 28))),
+            (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED))),
             (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED))),
+            (
+                0.0,
+                (
+                    (HFGPT, COMPILED, {"pad_vocab_to": 64}),
+                    (REFERENCE, COMPILED),
+                    (HFGPT, COMPILED, {"loss_slice": 1 << 28}),
+                ),
+            ),
         ),
         "train_repeats": 5,
         "budget_models": (),
-        "decode_kinds": {
-            "gpt2": (DYNAMIC, LOOP, GRAPHS, STATIC, CONTINUOUS),
-            "openai-gpt": (DYNAMIC, LOOP),
-        },
+        "decode_kinds": {"gpt2": (DYNAMIC, LOOP, GRAPHS, STATIC), "openai-gpt": (DYNAMIC, LOOP)},
         "decode_batches": (1, 64),
         "decode_family_batches": {"openai-gpt": (64,)},
-        "decode_kind_batches": {CONTINUOUS: (64,), STATIC: (64,)},
-        "decode_impls": {LOOP: (HFGPT,), CONTINUOUS: (TRANSFORMERS,)},
+        "decode_kind_batches": {STATIC: (64,)},
+        "decode_impls": {LOOP: (HFGPT,)},
         "decode_repeats": 5,
         "slow_repeats": 2,
     },
@@ -351,12 +360,17 @@ def training_step(
     compiled: bool,
     attention_mask: torch.Tensor | None = None,
     loss_slice: int | None = None,
+    pad_vocab_to: int | None = None,
 ) -> tuple[Callable[[], torch.Tensor], tuple[Any, ...]]:
     """`impl` built on `device` in train mode (compiled or not) with its AdamW (fused on CUDA): its training
     step (forward in bf16 autocast, backward, optimizer step; returns the loss, unsynchronised), and the
     objects the step needs kept alive (model, compiled wrapper, optimizer). `loss_slice`: the logits a slice of
-    hfgpt's fused loss during this step (the model's setting for the device, `loss_slice_setting`)."""
-    model = build_contender(impl, config, state).to(device).train()
+    hfgpt's fused loss during this step (the model's setting for the device, `loss_slice_setting`);
+    `pad_vocab_to`: the vocabulary padded to a multiple of it, as docs/gpu.md's recipe pads it."""
+    model = build_contender(impl, config, state)
+    if pad_vocab_to is not None:
+        model.resize_token_embeddings(pad_to_multiple_of=pad_vocab_to)
+    model = model.to(device).train()
     run = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
 
@@ -392,9 +406,14 @@ def loss_slices(device: str, elements: int | None) -> Iterator[None]:
         setattr(modeling_hfgpt, name, before)
 
 
-def contender_mode(mode: str, loss_slice: int | None) -> str:
-    """A training row's mode: `mode`, and the slices of hfgpt's loss where a contender sets them."""
-    return mode if loss_slice is None else f"{mode}, loss slices of 2**{int(math.log2(loss_slice))} logits"
+def contender_mode(mode: str, options: dict[str, int]) -> str:
+    """A training row's mode: `mode`, then what the contender's options change."""
+    shown = [mode]
+    if "loss_slice" in options:
+        shown.append(f"loss slices of 2**{int(math.log2(options['loss_slice']))} logits")
+    if "pad_vocab_to" in options:
+        shown.append(f"vocabulary padded to a multiple of {options['pad_vocab_to']}")
+    return ", ".join(shown)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -524,7 +543,7 @@ class TrainContender:
     peak_bytes: int | None
     loss: float
     keep: tuple[Any, ...]  # the model and optimizer, alive while timed
-    loss_slice: int | None = None  # logits a slice of hfgpt's fused loss, where the contender sets it
+    options: dict[str, int] = field(default_factory=dict)  # (what `contender_mode` names)
 
 
 def make_train_contender(
@@ -534,14 +553,15 @@ def make_train_contender(
     config: GPTConfig,
     state: dict,
     ids: torch.Tensor,
-    loss_slice: int | None = None,
+    options: dict[str, int] | None = None,
 ) -> TrainContender:
     """Build `impl` on the device, its AdamW (fused on CUDA), and its step in bf16 autocast; run the
     untimed warm-up steps (the first compiles a compiled contender: its time is reported apart), the last
     of them measured for the contender's peak memory above what was allocated before it was built."""
     free_memory(ctx.device)
     before = allocated(ctx.device)
-    step, keep = training_step(impl, config, state, ids, ctx.device, mode == COMPILED, loss_slice=loss_slice)
+    options = options or {}
+    step, keep = training_step(impl, config, state, ids, ctx.device, mode == COMPILED, **options)
     start = time.perf_counter()
     first_loss = step().item()
     synchronize(ctx.device)
@@ -553,8 +573,8 @@ def make_train_contender(
     step()
     synchronize(ctx.device)
     peak = torch.cuda.max_memory_allocated() - before if ctx.cuda else None
-    shown = contender_mode(mode, loss_slice)
-    return TrainContender(f"{impl} {shown}", impl, shown, step, first, peak, first_loss, keep, loss_slice)
+    shown = contender_mode(mode, options)
+    return TrainContender(f"{impl} {shown}", impl, shown, step, first, peak, first_loss, keep, options)
 
 
 def train_rows(ctx: Context, preset: str) -> None:
@@ -567,22 +587,20 @@ def train_rows(ctx: Context, preset: str) -> None:
     ids = torch.randint(0, base.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(2))
     ids = ids.to(ctx.device)
     flops = train_flops(base, batch, seq_len)
-    for dropout, contenders in profile["train_groups"]:
+    for group, (dropout, contenders) in enumerate(profile["train_groups"]):
         case = f"B={batch}x{seq_len}, bf16 autocast, dropout {dropout:g}"
         config = gpt_config(preset, profile["model_overrides"], dropout)
         built: dict[str, TrainContender] = {}
-        for impl, mode, *loss_slice in contenders:
+        for impl, mode, *more in contenders:
             if mode == COMPILED and not ctx.compile:
                 continue
-            elements = loss_slice[0] if loss_slice else None
-            what = f"train {preset} {case} {impl} {contender_mode(mode, elements)}"
+            options = more[0] if more else {}
+            what = f"train {preset} {case} {impl} {contender_mode(mode, options)}"
             if not ctx.time_left(what):
                 continue
             contender = ctx.guarded(
                 what,
-                lambda i=impl, m=mode, c=config, e=elements: make_train_contender(
-                    ctx, i, m, c, state, ids, e
-                ),
+                lambda i=impl, m=mode, c=config, o=options: make_train_contender(ctx, i, m, c, state, ids, o),
             )
             if contender is not None:
                 built[contender.name] = contender
@@ -596,9 +614,9 @@ def train_rows(ctx: Context, preset: str) -> None:
             )
             for name, contender in built.items():
                 if timings is not None:
-                    ctx.rows.append(
-                        train_row(ctx, preset, case, contender, timings[name], batch * seq_len, flops)
-                    )
+                    row = train_row(ctx, preset, case, contender, timings[name], batch * seq_len, flops)
+                    row.extra["group"] = group  # (contenders of one group were timed interleaved)
+                    ctx.rows.append(row)
             ctx.checkpoint()
         del built
         free_memory(ctx.device)
@@ -629,9 +647,12 @@ def train_row(
             "first_step_s (compile)" if c.mode.startswith(COMPILED) else "first_step_s": c.first_step_s,
             "first_loss": c.loss,
             # (hfgpt's fused loss: the logits a slice, its own setting where the contender sets none)
-            "loss_slice_elements": (c.loss_slice or getattr(modeling_hfgpt, loss_slice_setting(ctx.device)))
+            "loss_slice_elements": c.options.get(
+                "loss_slice", getattr(modeling_hfgpt, loss_slice_setting(ctx.device))
+            )
             if c.impl == HFGPT
             else None,
+            "vocab_rows": c.keep[0].get_input_embeddings().num_embeddings if c.impl == HFGPT else None,
         },
     )
 
@@ -1289,7 +1310,7 @@ def gpu_table(figures: dict[str, dict[str, Any]], claims: bool = True) -> str:
             cells = [str(found[i]) if i in found and m == EAGER else "-" for i, m in contenders]
             lines.append(f"| {model}, {case} | " + " | ".join(cells) + " |")
         lines.append("")
-        lines += loss_slice_lines(rows)
+        lines += variant_lines(rows)
     if "decode" in figures:
         rows = [r for r in figures["decode"]["rows"] if r["median_s"] is not None]
         kinds = [k for k in DECODE_KINDS if any(r["mode"].startswith(k) for r in rows)]
@@ -1326,34 +1347,31 @@ def gpu_table(figures: dict[str, dict[str, Any]], claims: bool = True) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
-def loss_slice_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Where a run timed hfgpt's fused loss in other slice sizes: per model, case and mode (compiled or eager), a
-    line of the steps' ms, fastest first, hfgpt's with the logits a slice, beside the reference's."""
+def variant_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where a run timed hfgpt with options (its fused loss in other slice sizes, a padded vocabulary): per model,
+    case and mode (compiled or eager), a line of the steps' ms, fastest first, each hfgpt row with its slices
+    and vocabulary rows, beside the reference's."""
     lines = []
-    varied = {
-        (r["model"], r["case"], r["mode"].split(", loss slices")[0])
-        for r in rows
-        if ", loss slices" in r["mode"]
-    }
+    varied = {(r["model"], r["case"], r["mode"].split(", ")[0]) for r in rows if ", " in r["mode"]}
     for model, case, mode in sorted(varied):
         timed = [
             r
             for r in rows
             if (r["model"], r["case"]) == (model, case)
-            and r["mode"].split(", loss slices")[0] == mode
+            and r["mode"].split(", ")[0] == mode
             and r["impl"] in (HFGPT, REFERENCE)
         ]
         cells = [
             f"{r['impl']} {r['extra']['ms_per_step']:.1f}"
-            + (f" (2**{int(math.log2(r['extra']['loss_slice_elements']))})" if r["impl"] == HFGPT else "")
+            + (
+                f" (loss slices of 2**{int(math.log2(r['extra']['loss_slice_elements']))}, "
+                f"{r['extra']['vocab_rows']} vocabulary rows)"
+                if r["impl"] == HFGPT
+                else ""
+            )
             for r in sorted(timed, key=lambda r: r["median_s"])
         ]
-        lines += [
-            f"{mode.capitalize()} steps, {model}, {case}, ms (hfgpt's logits a loss slice): "
-            + "; ".join(cells)
-            + ".",
-            "",
-        ]
+        lines += [f"{mode.capitalize()} steps, {model}, {case}, ms: " + "; ".join(cells) + ".", ""]
     return lines
 
 

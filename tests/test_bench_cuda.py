@@ -109,11 +109,11 @@ def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
     torch.testing.assert_close(grads["reference"], grads["hfgpt"], rtol=1e-4, atol=1e-6)
 
 
-def test_loss_slice_contenders_set_the_slices_for_their_steps_only(monkeypatch):
+def test_hfgpt_contenders_with_options_set_them_for_their_own_steps(monkeypatch):
     """A training contender with a loss slice size runs its steps with hfgpt's fused-loss setting at that many
-    logits (read as the loss runs: on the CPU, `LOSS_CHUNK_ELEMENTS`), leaves the setting as it was between
-    steps, and its row says the size beside the default contender's; the table's line lists them beside the
-    reference."""
+    logits (read as the loss runs: on the CPU, `LOSS_CHUNK_ELEMENTS`), leaving the setting as it was between
+    steps; one with a padded vocabulary trains the padded model. Their rows say so beside the default
+    contender's, and the table's line lists them beside the reference."""
     from hfgpt.modeling import modeling_hfgpt
 
     setting = bench_cuda.loss_slice_setting("cpu")
@@ -122,13 +122,19 @@ def test_loss_slice_contenders_set_the_slices_for_their_steps_only(monkeypatch):
     real = bench_cuda.loss_of
 
     def spy(model, ids, attention_mask=None):
-        seen.append(getattr(modeling_hfgpt, setting))
+        model_ = getattr(model, "_orig_mod", model)
+        embeddings = (
+            model_.wte if isinstance(model_, bench_cuda.ReferenceGPT2) else model_.get_input_embeddings()
+        )
+        vocab = embeddings.weight.shape[0]
+        seen.append((getattr(modeling_hfgpt, setting), vocab))
         return real(model, ids, attention_mask)
 
     monkeypatch.setattr(bench_cuda, "loss_of", spy)
     profile = bench_cuda.PROFILES["tiny"]
-    groups = ((0.0, ((bench_cuda.HFGPT, bench_cuda.EAGER), (bench_cuda.HFGPT, bench_cuda.EAGER, 1 << 12),
-                     (bench_cuda.REFERENCE, bench_cuda.EAGER))),)  # fmt: skip
+    hfgpt, eager = bench_cuda.HFGPT, bench_cuda.EAGER
+    groups = ((0.0, ((hfgpt, eager), (hfgpt, eager, {"loss_slice": 1 << 12}), (hfgpt, eager, {"pad_vocab_to": 64}),
+                     (bench_cuda.REFERENCE, eager))),)  # fmt: skip
     ctx = bench_cuda.Context("cpu", "tiny", {**profile, "train_groups": groups}, {"bf16_matmul_flops_per_s": 1e9},
                              False, 1.0, deadline=math.inf)  # fmt: skip
     with bench_cuda.loss_slices("cpu", 1 << 12):
@@ -136,21 +142,34 @@ def test_loss_slice_contenders_set_the_slices_for_their_steps_only(monkeypatch):
     assert getattr(modeling_hfgpt, setting) == default
     bench_cuda.train_rows(ctx, "gpt2")
     assert ctx.errors == [] and getattr(modeling_hfgpt, setting) == default
-    rows = {(r.impl, r.mode): r for r in ctx.rows}
-    assert rows["hfgpt", "eager"].extra["loss_slice_elements"] == default
-    assert rows["hfgpt", "eager, loss slices of 2**12 logits"].extra["loss_slice_elements"] == 1 << 12
-    assert rows["reference", "eager"].extra["loss_slice_elements"] is None
+    rows = {(r.impl, r.mode): r.extra for r in ctx.rows}
+    vocab, padded = 1000, 1024  # (tiny's vocabulary, and the next multiple of 64)
+    assert (rows["hfgpt", "eager"]["loss_slice_elements"], rows["hfgpt", "eager"]["vocab_rows"]) == (
+        default,
+        vocab,
+    )
+    sliced = rows["hfgpt", "eager, loss slices of 2**12 logits"]
+    assert (sliced["loss_slice_elements"], sliced["vocab_rows"]) == (1 << 12, vocab)
+    assert rows["hfgpt", "eager, vocabulary padded to a multiple of 64"]["vocab_rows"] == padded
+    assert rows["reference", "eager"]["loss_slice_elements"] is None
     # each contender's steps: its first, its warm-ups, the one measured for memory, the timed ones
     steps = 1 + (profile["train_warmup"] - 1) + 1 + profile["train_repeats"]
-    assert seen.count(1 << 12) == steps and seen.count(default) == 2 * steps == len(seen) - steps
-    line = bench_cuda.loss_slice_lines([vars(r) for r in ctx.rows])[0]
-    assert line.startswith("Eager steps, GPT-2 124M, B=2x32, bf16 autocast, dropout 0, ms")
-    assert "(2**12)" in line and "(2**26)" in line and "reference" in line
+    assert seen.count((1 << 12, vocab)) == steps and seen.count((default, padded)) == steps
+    assert (
+        seen.count((default, vocab)) == 2 * steps == len(seen) - 2 * steps
+    )  # (hfgpt's default, the reference)
+    line = bench_cuda.variant_lines([vars(r) for r in ctx.rows])[0]
+    assert line.startswith("Eager steps, GPT-2 124M, B=2x32, bf16 autocast, dropout 0, ms: ")
+    assert (
+        "(loss slices of 2**12, 1000 vocabulary rows)" in line
+        and "(loss slices of 2**26, 1024 vocabulary rows)" in line
+    )
+    assert "reference" in line
 
 
 def test_the_claims_profile_runs_its_decoding_plan(tmp_path, monkeypatch):
-    """The `claims` profile's decoding rows, at tiny size on the CPU without compiling: GPT-2 at B=1 and B=64
-    (hfgpt's on-device loop, transformers' continuous batching at B=64 only), GPT-1 at B=64 only; and the
+    """The `claims` profile's decoding rows, at tiny size on the CPU without compiling (so without the static
+    cache and CUDA graphs): GPT-2 at B=1 and B=64 (the on-device loop hfgpt's only), GPT-1 at B=64 only; and the
     claims of the loop at B=1, the best at B=64 and GPT-1's against transformers' have their figures."""
     tiny = bench_cuda.PROFILES["tiny"]
     sizes = ("prompt_len", "new_tokens", "model_overrides", "matmul_size", "read_bytes")
@@ -172,7 +191,7 @@ def test_the_claims_profile_runs_its_decoding_plan(tmp_path, monkeypatch):
     gpt2 = {("hfgpt", "dynamic cache"), ("transformers", "dynamic cache"), ("hfgpt", "on-device loop")}
     assert seen == {
         *{("GPT-2 124M", "B=1", *c) for c in gpt2},
-        *{("GPT-2 124M", "B=64", *c) for c in gpt2 | {("transformers", "continuous batching")}},
+        *{("GPT-2 124M", "B=64", *c) for c in gpt2},
         ("GPT-1", "B=64", "hfgpt", "dynamic cache"),
         ("GPT-1", "B=64", "hfgpt", "on-device loop"),
         ("GPT-1", "B=64", "transformers", "dynamic cache (no KV cache: recomputes)"),
