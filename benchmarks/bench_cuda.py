@@ -8,14 +8,19 @@ Two sections (`--sections`), each written to its own figures file (`figures-<dev
   transformers' `GPT2LMHeadModel` (sdpa), and `ReferenceGPT2`, a minimal plain-PyTorch GPT-2 kept in this
   file (the ceiling: what the frameworks cost above it is the margin to win). Each eager and under
   `torch.compile` (whole model, default mode), at dropout 0 (against the reference) and at GPT-2's own
-  dropout 0.1 (against transformers). Step time, tokens/s, MFU against the bf16 matmul rate measured in
+  dropout 0.1 (against transformers); hfgpt compiled again with its fused loss in other slice sizes
+  (`ACCELERATOR_LOSS_CHUNK_ELEMENTS`: logits a slice) and with its vocabulary padded to a multiple of 64
+  (docs/gpu.md's recipe), beside the reference. Step time, tokens/s, MFU against the bf16 matmul rate measured in
   the same run, and each contender's peak memory (`torch.cuda.max_memory_allocated`, its model, its
   optimizer state and the step); then, per model, the largest batch whose training step fits in
   `--memory-budget-gib` (eager, dropout 0.1).
 * decode: greedy decoding of 64 prompt + 256 new tokens from left-padded prompts, bfloat16 weights, B=1
   and B=64, GPT-2 124M and GPT-1, hfgpt beside transformers' `GPT2LMHeadModel` / `OpenAIGPTLMHeadModel`:
   `generate()` with its dynamic cache, static cache + `torch.compile` (transformers' `CompileConfig`,
-  mode "default"), CUDA graphs (mode "reduce-overhead"), and continuous batching (`generate_batch`).
+  mode "default"), CUDA graphs (mode "reduce-overhead"), hfgpt's on-device loop
+  (`generate(custom_generate=hfgpt.modeling.generation.decode_on_device)`, its whole step one CUDA graph; it
+  runs transformers' GPT-2 too), and continuous batching (`generate_batch`, at B=16 and B=64: it is built for
+  many requests).
   ms a token step, new tokens/s, and the bandwidth floor of a step (bytes a step must read / the device
   read rate measured in the run). transformers' GPT-1 has no KV cache: its one row recomputes the
   sequence at every step.
@@ -27,7 +32,8 @@ with its error and the run goes on; `--time-budget-s` skips (and names) what wou
 important rows first, so that a run on a lent GPU always writes its figures.
 
     python benchmarks/bench_cuda.py                      # the full run on CUDA: ~10 min on an H100
-    python benchmarks/bench_cuda.py --quick              # the rows the issues' claims need: ~6 min
+    python benchmarks/bench_cuda.py --quick              # the main rows, fewer repeats: ~6 min
+    python benchmarks/bench_cuda.py --profile claims --sections decode,train --time-budget-s 400  # one call
     python benchmarks/bench_cuda.py --tiny --device cpu  # the smoke run (tests/test_bench_cuda.py)
     python benchmarks/bench_cuda.py --update-docs        # the README's "Speed on a GPU" from the figures
 """
@@ -35,6 +41,7 @@ important rows first, so that a run on a lent GPU always writes its figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -43,7 +50,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +72,8 @@ from transformers import (
 from transformers import logging as hf_logging
 
 from hfgpt.cpu import unkernelize
-from hfgpt.modeling import GPTConfig
+from hfgpt.modeling import GPTConfig, modeling_hfgpt
+from hfgpt.modeling.generation import decode_on_device
 from hfgpt.modeling.interop import from_transformers, to_transformers_config
 
 SECTIONS = ("train", "decode")
@@ -76,17 +84,24 @@ MODELS = {"gpt2": "GPT-2 124M", "gpt2-medium": "GPT-2 355M", "openai-gpt": "GPT-
 HFGPT, TRANSFORMERS, REFERENCE = "hfgpt", "transformers", "reference"
 EAGER, COMPILED = "eager", "compiled"
 # Decoding rows (`decode_row`), in the order they run.
-DYNAMIC, STATIC, GRAPHS, CONTINUOUS = (
+DYNAMIC, STATIC, GRAPHS, LOOP, CONTINUOUS = (
     "dynamic cache",
     "static cache + compile",
     "CUDA graphs",
+    "on-device loop",
     "continuous batching",
 )
-DECODE_KINDS = (DYNAMIC, STATIC, GRAPHS, CONTINUOUS)
+DECODE_KINDS = (DYNAMIC, STATIC, GRAPHS, LOOP, CONTINUOUS)
+COMPILED_KINDS = (STATIC, GRAPHS)  # (left out with --no-compile; the loop then runs eagerly)
 
-# Sizes per profile, `quick` and `tiny` written as changes to `full`. `full` measures everything; `quick` the
-# rows the issues' claims need (the most important first, as in `full`); `tiny` shrinks the models (hidden
-# 32, 2 layers) for the CPU smoke run.
+# Sizes per profile, `quick`, `claims` and `tiny` written as changes to `full`. `full` measures everything;
+# `quick` the main rows with fewer repeats; `claims` the rows the open claims need (README.md's GPU table),
+# medians of 5, the most important first so that a time budget leaves out the least; `tiny` shrinks the models
+# (hidden 32, 2 layers) for the CPU smoke run. A training contender is (implementation, mode) or (implementation,
+# mode, options): hfgpt with its fused loss in slices of `loss_slice` logits, or its vocabulary padded to a
+# multiple of `pad_vocab_to` (`resize_token_embeddings`, docs/gpu.md). Decoding runs each kind of `decode_kinds` at its batch sizes:
+# `decode_kind_batches[kind]`, else `decode_family_batches[model]`, else `decode_batches`; and for the
+# implementations of `decode_impls[kind]` (default both).
 FULL_PROFILE: dict[str, Any] = dict(
     train_models=("gpt2", "gpt2-medium"),
     train_batch=16,
@@ -94,7 +109,18 @@ FULL_PROFILE: dict[str, Any] = dict(
     # (dropout, contenders): GPT-2's own dropout 0.1 for hfgpt against transformers, 0 against the reference.
     train_groups=(
         (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED), (HFGPT, EAGER), (TRANSFORMERS, EAGER))),
-        (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED), (TRANSFORMERS, COMPILED), (REFERENCE, EAGER))),
+        (
+            0.0,
+            (
+                (HFGPT, COMPILED),
+                (REFERENCE, COMPILED),
+                (TRANSFORMERS, COMPILED),
+                (REFERENCE, EAGER),
+                (HFGPT, COMPILED, {"loss_slice": 1 << 26}),
+                (HFGPT, COMPILED, {"loss_slice": 1 << 28}),
+                (HFGPT, COMPILED, {"pad_vocab_to": 64}),
+            ),
+        ),
     ),
     train_warmup=2,
     train_repeats=10,
@@ -105,10 +131,11 @@ FULL_PROFILE: dict[str, Any] = dict(
     decode_families=("gpt2", "openai-gpt"),
     decode_kinds={"gpt2": DECODE_KINDS, "openai-gpt": DECODE_KINDS},
     decode_batches=(1, 64),
+    decode_kind_batches={CONTINUOUS: (16, 64)},
     prompt_len=64,
     new_tokens=256,
-    decode_repeats=3,
-    slow_repeats=1,  # transformers' GPT-1, which recomputes the sequence at every step
+    decode_repeats=5,
+    slow_repeats=3,  # transformers' GPT-1, which recomputes the sequence at every step
     matmul_size=8192,
     read_bytes=1 << 30,
     model_overrides={},
@@ -128,6 +155,39 @@ PROFILES: dict[str, dict[str, Any]] = {
         "budget_step": 8,
         "decode_kinds": {"gpt2": DECODE_KINDS, "openai-gpt": (DYNAMIC,)},
         "decode_repeats": 2,
+        "slow_repeats": 1,
+    },
+    # What one 10-minute call on an H100 or H200 can hold, with --sections decode,train --time-budget-s 400
+    # (on an H200 compiling a decoding contender took about 10 s, a training one 20-40 s, and a run of
+    # continuous batching 15 s at B=1, so it is left to `full`): GPT-2 at B=1 (the on-device loop, CUDA graphs,
+    # the dynamic cache's tokens) and B=64 (transformers' dynamic, static and CUDA-graph configurations against
+    # hfgpt's), GPT-1 at B=64 with its cache against transformers' recomputing; then training against the
+    # reference at dropout 0, against transformers at dropout 0.1, and hfgpt with its vocabulary padded and its
+    # fused loss in slices of 2**28 logits beside the reference again (the first left out by a budget).
+    "claims": {
+        **FULL_PROFILE,
+        "train_models": ("gpt2",),
+        "train_groups": (
+            (0.0, ((HFGPT, COMPILED), (REFERENCE, COMPILED))),
+            (0.1, ((HFGPT, COMPILED), (TRANSFORMERS, COMPILED))),
+            (
+                0.0,
+                (
+                    (HFGPT, COMPILED, {"pad_vocab_to": 64}),
+                    (REFERENCE, COMPILED),
+                    (HFGPT, COMPILED, {"loss_slice": 1 << 28}),
+                ),
+            ),
+        ),
+        "train_repeats": 5,
+        "budget_models": (),
+        "decode_kinds": {"gpt2": (DYNAMIC, LOOP, GRAPHS, STATIC), "openai-gpt": (DYNAMIC, LOOP)},
+        "decode_batches": (1, 64),
+        "decode_family_batches": {"openai-gpt": (64,)},
+        "decode_kind_batches": {STATIC: (64,)},
+        "decode_impls": {LOOP: (HFGPT,)},
+        "decode_repeats": 5,
+        "slow_repeats": 2,
     },
     "tiny": {
         **FULL_PROFILE,
@@ -140,6 +200,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "budget_batches": (1, 4),
         "budget_step": 1,
         "decode_batches": (1, 3),
+        "decode_kind_batches": {CONTINUOUS: (3,)},
         "prompt_len": 8,
         "new_tokens": 6,
         "decode_repeats": 1,
@@ -298,16 +359,23 @@ def training_step(
     device: str,
     compiled: bool,
     attention_mask: torch.Tensor | None = None,
+    loss_slice: int | None = None,
+    pad_vocab_to: int | None = None,
 ) -> tuple[Callable[[], torch.Tensor], tuple[Any, ...]]:
     """`impl` built on `device` in train mode (compiled or not) with its AdamW (fused on CUDA): its training
     step (forward in bf16 autocast, backward, optimizer step; returns the loss, unsynchronised), and the
-    objects the step needs kept alive (model, compiled wrapper, optimizer)."""
-    model = build_contender(impl, config, state).to(device).train()
+    objects the step needs kept alive (model, compiled wrapper, optimizer). `loss_slice`: the logits a slice of
+    hfgpt's fused loss during this step (the model's setting for the device, `loss_slice_setting`);
+    `pad_vocab_to`: the vocabulary padded to a multiple of it, as docs/gpu.md's recipe pads it."""
+    model = build_contender(impl, config, state)
+    if pad_vocab_to is not None:
+        model.resize_token_embeddings(pad_to_multiple_of=pad_vocab_to)
+    model = model.to(device).train()
     run = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.startswith("cuda"))
 
     def step() -> torch.Tensor:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        with loss_slices(device, loss_slice), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss = loss_of(run, ids, attention_mask)
         loss.backward()
         optimizer.step()
@@ -315,6 +383,37 @@ def training_step(
         return loss
 
     return step, (model, run, optimizer)
+
+
+def loss_slice_setting(device: str) -> str:
+    """The name, in `hfgpt.modeling.modeling_hfgpt`, of the logits a slice of the fused loss on `device`."""
+    return "LOSS_CHUNK_ELEMENTS" if torch.device(device).type == "cpu" else "ACCELERATOR_LOSS_CHUNK_ELEMENTS"
+
+
+@contextlib.contextmanager
+def loss_slices(device: str, elements: int | None) -> Iterator[None]:
+    """hfgpt's fused loss in slices of `elements` logits inside the block (read as the loss runs, and guarded
+    by a compiled step, which compiles again for another value); None leaves the setting as it is."""
+    if elements is None:
+        yield
+        return
+    name = loss_slice_setting(device)
+    before = getattr(modeling_hfgpt, name)
+    setattr(modeling_hfgpt, name, elements)
+    try:
+        yield
+    finally:
+        setattr(modeling_hfgpt, name, before)
+
+
+def contender_mode(mode: str, options: dict[str, int]) -> str:
+    """A training row's mode: `mode`, then what the contender's options change."""
+    shown = [mode]
+    if "loss_slice" in options:
+        shown.append(f"loss slices of 2**{int(math.log2(options['loss_slice']))} logits")
+    if "pad_vocab_to" in options:
+        shown.append(f"vocabulary padded to a multiple of {options['pad_vocab_to']}")
+    return ", ".join(shown)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -444,17 +543,25 @@ class TrainContender:
     peak_bytes: int | None
     loss: float
     keep: tuple[Any, ...]  # the model and optimizer, alive while timed
+    options: dict[str, int] = field(default_factory=dict)  # (what `contender_mode` names)
 
 
 def make_train_contender(
-    ctx: Context, impl: str, mode: str, config: GPTConfig, state: dict, ids: torch.Tensor
+    ctx: Context,
+    impl: str,
+    mode: str,
+    config: GPTConfig,
+    state: dict,
+    ids: torch.Tensor,
+    options: dict[str, int] | None = None,
 ) -> TrainContender:
     """Build `impl` on the device, its AdamW (fused on CUDA), and its step in bf16 autocast; run the
     untimed warm-up steps (the first compiles a compiled contender: its time is reported apart), the last
     of them measured for the contender's peak memory above what was allocated before it was built."""
     free_memory(ctx.device)
     before = allocated(ctx.device)
-    step, keep = training_step(impl, config, state, ids, ctx.device, mode == COMPILED)
+    options = options or {}
+    step, keep = training_step(impl, config, state, ids, ctx.device, mode == COMPILED, **options)
     start = time.perf_counter()
     first_loss = step().item()
     synchronize(ctx.device)
@@ -466,7 +573,8 @@ def make_train_contender(
     step()
     synchronize(ctx.device)
     peak = torch.cuda.max_memory_allocated() - before if ctx.cuda else None
-    return TrainContender(f"{impl} {mode}", impl, mode, step, first, peak, first_loss, keep)
+    shown = contender_mode(mode, options)
+    return TrainContender(f"{impl} {shown}", impl, shown, step, first, peak, first_loss, keep, options)
 
 
 def train_rows(ctx: Context, preset: str) -> None:
@@ -479,18 +587,20 @@ def train_rows(ctx: Context, preset: str) -> None:
     ids = torch.randint(0, base.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(2))
     ids = ids.to(ctx.device)
     flops = train_flops(base, batch, seq_len)
-    for dropout, contenders in profile["train_groups"]:
+    for group, (dropout, contenders) in enumerate(profile["train_groups"]):
         case = f"B={batch}x{seq_len}, bf16 autocast, dropout {dropout:g}"
         config = gpt_config(preset, profile["model_overrides"], dropout)
         built: dict[str, TrainContender] = {}
-        for impl, mode in contenders:
+        for impl, mode, *more in contenders:
             if mode == COMPILED and not ctx.compile:
                 continue
-            what = f"train {preset} {case} {impl} {mode}"
+            options = more[0] if more else {}
+            what = f"train {preset} {case} {impl} {contender_mode(mode, options)}"
             if not ctx.time_left(what):
                 continue
             contender = ctx.guarded(
-                what, lambda i=impl, m=mode, c=config: make_train_contender(ctx, i, m, c, state, ids)
+                what,
+                lambda i=impl, m=mode, c=config, o=options: make_train_contender(ctx, i, m, c, state, ids, o),
             )
             if contender is not None:
                 built[contender.name] = contender
@@ -504,9 +614,9 @@ def train_rows(ctx: Context, preset: str) -> None:
             )
             for name, contender in built.items():
                 if timings is not None:
-                    ctx.rows.append(
-                        train_row(ctx, preset, case, contender, timings[name], batch * seq_len, flops)
-                    )
+                    row = train_row(ctx, preset, case, contender, timings[name], batch * seq_len, flops)
+                    row.extra["group"] = group  # (contenders of one group were timed interleaved)
+                    ctx.rows.append(row)
             ctx.checkpoint()
         del built
         free_memory(ctx.device)
@@ -534,8 +644,15 @@ def train_row(
             "mfu": flops / timing.median / ctx.hardware["bf16_matmul_flops_per_s"],
             "flops_per_step": flops,
             "peak_memory_bytes": c.peak_bytes,
-            "first_step_s (compile)" if c.mode == COMPILED else "first_step_s": c.first_step_s,
+            "first_step_s (compile)" if c.mode.startswith(COMPILED) else "first_step_s": c.first_step_s,
             "first_loss": c.loss,
+            # (hfgpt's fused loss: the logits a slice, its own setting where the contender sets none)
+            "loss_slice_elements": c.options.get(
+                "loss_slice", getattr(modeling_hfgpt, loss_slice_setting(ctx.device))
+            )
+            if c.impl == HFGPT
+            else None,
+            "vocab_rows": c.keep[0].get_input_embeddings().num_embeddings if c.impl == HFGPT else None,
         },
     )
 
@@ -664,19 +781,21 @@ def decode_rows(ctx: Context, preset: str) -> None:
     ours = ours.to(ctx.device, torch.bfloat16).eval()
     weight_bytes = decode_weight_bytes(ours)
     has_cache = not isinstance(peer, OpenAIGPTLMHeadModel)
-    kinds = [k for k in profile["decode_kinds"][preset] if ctx.compile or k not in (STATIC, GRAPHS)]
+    kinds = [k for k in profile["decode_kinds"][preset] if ctx.compile or k not in COMPILED_KINDS]
     # One model per (implementation, kind): transformers keeps a compiled forward per model.
     models: dict[tuple[str, str], nn.Module] = {}
     for kind in kinds:
         for impl, model in ((HFGPT, ours), (TRANSFORMERS, peer)):
             if kind != DYNAMIC and not has_cache and impl == TRANSFORMERS:
                 continue  # transformers' GPT-1 has no cache to make static, page or capture
+            if impl not in profile.get("decode_impls", {}).get(kind, (HFGPT, TRANSFORMERS)):
+                continue
             copy_ = model if kind == DYNAMIC else copy.deepcopy(model)
             if kind == CONTINUOUS and impl == HFGPT:
                 copy_ = unkernelize(copy_)  # continuous batching refuses the CPU backend's attention
             models[impl, kind] = copy_
     new = profile["new_tokens"]
-    for batch in profile["decode_batches"]:
+    for batch in decode_batches_of(profile, preset, kinds):
         prompts = left_padded_prompts(batch, profile["prompt_len"], config.vocab_size, 0, ctx.device)
         case = f"B={batch}, {profile['prompt_len']}+{new} tokens, bf16 weights"
         runs: dict[str, Callable[[], torch.Tensor]] = {}
@@ -687,6 +806,8 @@ def decode_rows(ctx: Context, preset: str) -> None:
         # dynamic-cache call, which compiling makes no slower), so that a time budget leaves them room.
         reserve_s = 0.0
         for (impl, kind), model in models.items():
+            if batch not in decode_batches_of(profile, preset, (kind,)):
+                continue
             name = f"{impl} {kind}"
             what = f"decode {preset} {case} {name}"
             if not ctx.time_left(what, reserve_s):
@@ -699,9 +820,8 @@ def decode_rows(ctx: Context, preset: str) -> None:
             synchronize(ctx.device)
             first_s[name], tokens[name], runs[name] = time.perf_counter() - start, out, run
             print(f"[{what}: first call {first_s[name]:.1f}s]", file=sys.stderr)
-            one_run = (
-                first_s.get(f"{impl} {DYNAMIC}", first_s[name]) if kind in (STATIC, GRAPHS) else first_s[name]
-            )
+            compiles = kind in COMPILED_KINDS or (kind == LOOP and ctx.cuda and ctx.compile)
+            one_run = first_s.get(f"{impl} {DYNAMIC}", first_s[name]) if compiles else first_s[name]
             recomputes = not has_cache and impl == TRANSFORMERS  # (timed `slow_repeats` times, below)
             reserve_s += profile["slow_repeats" if recomputes else "decode_repeats"] * one_run
         if not runs:
@@ -738,12 +858,16 @@ def decode_rows(ctx: Context, preset: str) -> None:
                         / ctx.hardware["read_bytes_per_s"],
                         "weight_bytes": weight_bytes,
                         "mean_cache_bytes_per_step": cache_bytes,
-                        "first_call_s (compile)" if kind in (STATIC, GRAPHS) else "first_call_s": first_s[
-                            name
-                        ],
+                        "first_call_s (compile)"
+                        if kind in COMPILED_KINDS or (kind == LOOP and ctx.cuda and ctx.compile)
+                        else "first_call_s": first_s[name],
                         "tokens_equal_hfgpt_dynamic": None
                         if reference is None
                         else bool(torch.equal(tokens[name].to(reference.device), reference)),
+                        # (in bfloat16 a near tie may go the other way; the leading tokens equal in every row)
+                        "tokens_equal_hfgpt_dynamic_first": None
+                        if reference is None
+                        else matching_prefix(tokens[name].to(reference.device), reference),
                     },
                 )
             )
@@ -755,6 +879,21 @@ def decode_rows(ctx: Context, preset: str) -> None:
     del models, ours, peer
     free_memory(ctx.device)
     torch.compiler.reset()
+
+
+def matching_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
+    """How many leading new tokens (B, N) equal `reference`'s in every row."""
+    if tokens.shape != reference.shape:
+        return 0
+    return int((tokens == reference).long().cumprod(dim=1).sum(dim=1).min())
+
+
+def decode_batches_of(profile: dict[str, Any], preset: str, kinds: Iterable[str]) -> list[int]:
+    """The batch sizes at which any of `kinds` runs for `preset`, in increasing order: a kind's own
+    (`decode_kind_batches`), else the model's (`decode_family_batches`), else the profile's `decode_batches`."""
+    own, family = profile.get("decode_kind_batches", {}), profile.get("decode_family_batches", {})
+    default = family.get(preset, profile["decode_batches"])
+    return sorted({b for kind in kinds for b in own.get(kind, default)})
 
 
 def mean_cache_bytes(config: GPTConfig, batch: int, prompt_len: int, new: int) -> int:
@@ -771,6 +910,9 @@ def decode_run(
     if kind == CONTINUOUS:
         return continuous_run(ctx, model, prompts, new)
     kwargs: dict[str, Any] = {}
+    if kind == LOOP:
+        # (compiled whole on CUDA: one CUDA graph a token; eager elsewhere, or with --no-compile)
+        kwargs.update(custom_generate=decode_on_device, compile_step=ctx.cuda and ctx.compile)
     if kind == DYNAMIC and isinstance(model, OpenAIGPTLMHeadModel):
         kwargs["use_cache"] = False  # (it has none; said so, for transformers' generate() not to look)
     if kind in (STATIC, GRAPHS):
@@ -878,8 +1020,9 @@ def run(
     if models is not None:
         for key in ("train_models", "budget_models", "decode_families"):
             profile[key] = tuple(m for m in profile[key] if m in models)
-    if decode_batches is not None:
+    if decode_batches is not None:  # (every kind at these batch sizes)
         profile["decode_batches"] = decode_batches
+        profile["decode_kind_batches"], profile["decode_family_batches"] = {}, {}
     if device.startswith("cuda"):
         # TF32 for the float32 matmuls left inside autocast (none of the models' products): the usual setting.
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -996,8 +1139,8 @@ def _ratio(a: dict | None, b: dict | None, key: str = "rate") -> float | None:
 
 
 def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issues #35 and #36's claims, each with its figure from `report` (None where not measured), its
-    target and whether it holds."""
+    """The open claims (README.md's GPU table), each with its figure from `report` (None where not measured),
+    its target and whether it holds."""
     rows = report["rows"]
     out: list[dict[str, Any]] = []
 
@@ -1055,7 +1198,7 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
         claim(
             "GPT-2 124M: MFU of hfgpt compiled at 16x1024, dropout 0",
             row["extra"]["mfu"] if row else None,
-            0.55,
+            0.5,
         )
     else:
         for model in ("GPT-2 124M", "GPT-1"):
@@ -1073,10 +1216,10 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
                         _ratio(ours.get(STATIC), _find(mine, model, TRANSFORMERS, STATIC, batch)),
                         1.0,
                     )
-                    graphs = ours.get(GRAPHS)
+                    loop = ours.get(LOOP)
                     claim(
-                        f"{model} {batch}: CUDA graphs, hfgpt ms per token",
-                        graphs["extra"]["ms_per_token_step"] if graphs else None,
+                        f"{model} {batch}: on-device loop, hfgpt ms per token",
+                        loop["extra"]["ms_per_token_step"] if loop else None,
                         0.8,
                         below=True,
                     )
@@ -1088,9 +1231,10 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
                         1.2,
                     )
                 if model == "GPT-1" and batch == "B=64":
+                    best_ours = max(ours.values(), key=lambda r: r["rate"]) if ours else None
                     claim(
-                        f"{model} {batch}: hfgpt with its cache / transformers (no cache)",
-                        _ratio(ours.get(DYNAMIC), best_theirs),
+                        f"{model} {batch}: best hfgpt with its cache / transformers (no cache)",
+                        _ratio(best_ours, best_theirs),
                         3.0,
                     )
     return out
@@ -1166,6 +1310,7 @@ def gpu_table(figures: dict[str, dict[str, Any]], claims: bool = True) -> str:
             cells = [str(found[i]) if i in found and m == EAGER else "-" for i, m in contenders]
             lines.append(f"| {model}, {case} | " + " | ".join(cells) + " |")
         lines.append("")
+        lines += variant_lines(rows)
     if "decode" in figures:
         rows = [r for r in figures["decode"]["rows"] if r["median_s"] is not None]
         kinds = [k for k in DECODE_KINDS if any(r["mode"].startswith(k) for r in rows)]
@@ -1202,6 +1347,34 @@ def gpu_table(figures: dict[str, dict[str, Any]], claims: bool = True) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+def variant_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where a run timed hfgpt with options (its fused loss in other slice sizes, a padded vocabulary): per model,
+    case and mode (compiled or eager), a line of the steps' ms, fastest first, each hfgpt row with its slices
+    and vocabulary rows, beside the reference's."""
+    lines = []
+    varied = {(r["model"], r["case"], r["mode"].split(", ")[0]) for r in rows if ", " in r["mode"]}
+    for model, case, mode in sorted(varied):
+        timed = [
+            r
+            for r in rows
+            if (r["model"], r["case"]) == (model, case)
+            and r["mode"].split(", ")[0] == mode
+            and r["impl"] in (HFGPT, REFERENCE)
+        ]
+        cells = [
+            f"{r['impl']} {r['extra']['ms_per_step']:.1f}"
+            + (
+                f" (loss slices of 2**{int(math.log2(r['extra']['loss_slice_elements']))}, "
+                f"{r['extra']['vocab_rows']} vocabulary rows)"
+                if r["impl"] == HFGPT
+                else ""
+            )
+            for r in sorted(timed, key=lambda r: r["median_s"])
+        ]
+        lines += [f"{mode.capitalize()} steps, {model}, {case}, ms: " + "; ".join(cells) + ".", ""]
+    return lines
+
+
 def _claim_value(check: dict[str, Any]) -> str:
     return "not measured" if check["value"] is None else f"{check['value']:.2f}"
 
@@ -1227,10 +1400,13 @@ def argument_refusal(device: str, chosen: tuple[str, ...], allowed: tuple[str, .
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
+    size.add_argument("--profile", choices=tuple(PROFILES), help="the sizes and rows to run (default: full)")
     size.add_argument(
-        "--quick", action="store_true", help="the rows the issues' claims need (~6 min on an H100)"
+        "--quick", action="store_true", help="--profile quick: the main rows (~6 min on an H100)"
     )
-    size.add_argument("--tiny", action="store_true", help="tiny models (hidden 32, 2 layers): the smoke run")
+    size.add_argument(
+        "--tiny", action="store_true", help="--profile tiny: hidden 32, 2 layers, the smoke run"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (for the smoke run)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
     parser.add_argument(
@@ -1279,7 +1455,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json_dir.is_dir():
         print(f"error: --json-dir {args.json_dir} is not an existing folder", file=sys.stderr)
         return 2
-    profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+    profile = args.profile or ("tiny" if args.tiny else "quick" if args.quick else "full")
     reports = run(
         profile,
         args.device,

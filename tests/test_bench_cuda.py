@@ -69,20 +69,25 @@ def test_decoding_rows_have_every_kind_and_the_same_tokens(tiny_reports):
                 for r in rows
                 if r["model"] == model and r["case"].startswith(f"B={batch},")
             }
-            expected = {("hfgpt", "dynamic cache"), ("hfgpt", "continuous batching")}
+            # continuous batching at the profile's batch for it only (B=3 here; 16 and 64 on a GPU)
+            expected = {("hfgpt", "dynamic cache"), ("hfgpt", "on-device loop")}
+            expected |= {("hfgpt", "continuous batching")} if batch == 3 else set()
             if model == "GPT-1":  # transformers' GPT-1 has no cache: one row, recomputing
                 expected.add(("transformers", "dynamic cache (no KV cache: recomputes)"))
             else:
-                expected |= {("transformers", "dynamic cache"), ("transformers", "continuous batching")}
+                expected |= {("transformers", "dynamic cache"), ("transformers", "on-device loop")}
+                expected |= {("transformers", "continuous batching")} if batch == 3 else set()
             assert mine == expected, (model, batch)
     for row in rows:
         ex = row["extra"]
         assert row["rate"] == pytest.approx(int(row["case"][2:].split(",")[0]) * 6 / row["median_s"])
         assert ex["ms_per_token_step"] == pytest.approx(1000 * row["median_s"] / 6)
         assert 0 < ex["floor_ms_per_step"] < ex["floor_with_cache_ms_per_step"]
-        # float32 would agree everywhere; in bfloat16 a batch of other rows may round differently
-        if row["impl"] == "hfgpt" and row["mode"] == "dynamic cache":
-            assert ex["tokens_equal_hfgpt_dynamic"] is True
+        # float32 would agree everywhere; in bfloat16 a batch of other rows may round differently. hfgpt's
+        # on-device loop runs eagerly here, on generate()'s cache: the same computation, the same tokens.
+        if row["impl"] == "hfgpt" and row["mode"] in ("dynamic cache", "on-device loop"):
+            assert ex["tokens_equal_hfgpt_dynamic"] is True and ex["tokens_equal_hfgpt_dynamic_first"] == 6
+        assert 0 <= ex["tokens_equal_hfgpt_dynamic_first"] <= 6
 
 
 def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
@@ -102,6 +107,102 @@ def test_reference_gpt2_computes_hfgpts_loss_on_the_same_weights():
     torch.testing.assert_close(losses["reference"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses["transformers"], losses["hfgpt"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads["reference"], grads["hfgpt"], rtol=1e-4, atol=1e-6)
+
+
+def test_hfgpt_contenders_with_options_set_them_for_their_own_steps(monkeypatch):
+    """A training contender with a loss slice size runs its steps with hfgpt's fused-loss setting at that many
+    logits (read as the loss runs: on the CPU, `LOSS_CHUNK_ELEMENTS`), leaving the setting as it was between
+    steps; one with a padded vocabulary trains the padded model. Their rows say so beside the default
+    contender's, and the table's line lists them beside the reference."""
+    from hfgpt.modeling import modeling_hfgpt
+
+    setting = bench_cuda.loss_slice_setting("cpu")
+    default = getattr(modeling_hfgpt, setting)
+    seen = []
+    real = bench_cuda.loss_of
+
+    def spy(model, ids, attention_mask=None):
+        model_ = getattr(model, "_orig_mod", model)
+        embeddings = (
+            model_.wte if isinstance(model_, bench_cuda.ReferenceGPT2) else model_.get_input_embeddings()
+        )
+        vocab = embeddings.weight.shape[0]
+        seen.append((getattr(modeling_hfgpt, setting), vocab))
+        return real(model, ids, attention_mask)
+
+    monkeypatch.setattr(bench_cuda, "loss_of", spy)
+    profile = bench_cuda.PROFILES["tiny"]
+    hfgpt, eager = bench_cuda.HFGPT, bench_cuda.EAGER
+    groups = ((0.0, ((hfgpt, eager), (hfgpt, eager, {"loss_slice": 1 << 12}), (hfgpt, eager, {"pad_vocab_to": 64}),
+                     (bench_cuda.REFERENCE, eager))),)  # fmt: skip
+    ctx = bench_cuda.Context("cpu", "tiny", {**profile, "train_groups": groups}, {"bf16_matmul_flops_per_s": 1e9},
+                             False, 1.0, deadline=math.inf)  # fmt: skip
+    with bench_cuda.loss_slices("cpu", 1 << 12):
+        assert getattr(modeling_hfgpt, setting) == 1 << 12
+    assert getattr(modeling_hfgpt, setting) == default
+    bench_cuda.train_rows(ctx, "gpt2")
+    assert ctx.errors == [] and getattr(modeling_hfgpt, setting) == default
+    rows = {(r.impl, r.mode): r.extra for r in ctx.rows}
+    vocab, padded = 1000, 1024  # (tiny's vocabulary, and the next multiple of 64)
+    assert (rows["hfgpt", "eager"]["loss_slice_elements"], rows["hfgpt", "eager"]["vocab_rows"]) == (
+        default,
+        vocab,
+    )
+    sliced = rows["hfgpt", "eager, loss slices of 2**12 logits"]
+    assert (sliced["loss_slice_elements"], sliced["vocab_rows"]) == (1 << 12, vocab)
+    assert rows["hfgpt", "eager, vocabulary padded to a multiple of 64"]["vocab_rows"] == padded
+    assert rows["reference", "eager"]["loss_slice_elements"] is None
+    # each contender's steps: its first, its warm-ups, the one measured for memory, the timed ones
+    steps = 1 + (profile["train_warmup"] - 1) + 1 + profile["train_repeats"]
+    assert seen.count((1 << 12, vocab)) == steps and seen.count((default, padded)) == steps
+    assert (
+        seen.count((default, vocab)) == 2 * steps == len(seen) - 2 * steps
+    )  # (hfgpt's default, the reference)
+    line = bench_cuda.variant_lines([vars(r) for r in ctx.rows])[0]
+    assert line.startswith("Eager steps, GPT-2 124M, B=2x32, bf16 autocast, dropout 0, ms: ")
+    assert (
+        "(loss slices of 2**12, 1000 vocabulary rows)" in line
+        and "(loss slices of 2**26, 1024 vocabulary rows)" in line
+    )
+    assert "reference" in line
+
+
+def test_the_claims_profile_runs_its_decoding_plan(tmp_path, monkeypatch):
+    """The `claims` profile's decoding rows, at tiny size on the CPU without compiling (so without the static
+    cache and CUDA graphs): GPT-2 at B=1 and B=64 (the on-device loop hfgpt's only), GPT-1 at B=64 only; and the
+    claims of the loop at B=1, the best at B=64 and GPT-1's against transformers' have their figures."""
+    tiny = bench_cuda.PROFILES["tiny"]
+    sizes = ("prompt_len", "new_tokens", "model_overrides", "matmul_size", "read_bytes")
+    profile = {
+        **bench_cuda.PROFILES["claims"],
+        **{k: tiny[k] for k in sizes},
+        "decode_repeats": 1,
+        "slow_repeats": 1,
+    }
+    monkeypatch.setitem(bench_cuda.PROFILES, "claims-tiny", profile)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = bench_cuda.run("claims-tiny", "cpu", ("decode",), compile=False, json_dir=tmp_path)["decode"]
+    finally:
+        torch.set_num_threads(before)
+    assert report["errors"] == [] and report["skipped"] == []
+    seen = {(r["model"], r["case"].split(",")[0], r["impl"], r["mode"]) for r in report["rows"]}
+    gpt2 = {("hfgpt", "dynamic cache"), ("transformers", "dynamic cache"), ("hfgpt", "on-device loop")}
+    assert seen == {
+        *{("GPT-2 124M", "B=1", *c) for c in gpt2},
+        *{("GPT-2 124M", "B=64", *c) for c in gpt2},
+        ("GPT-1", "B=64", "hfgpt", "dynamic cache"),
+        ("GPT-1", "B=64", "hfgpt", "on-device loop"),
+        ("GPT-1", "B=64", "transformers", "dynamic cache (no KV cache: recomputes)"),
+    }
+    claims = {c["claim"]: c for c in report["checks"]}
+    for claim in (
+        "GPT-2 124M B=1: on-device loop, hfgpt ms per token",
+        "GPT-2 124M B=64: best hfgpt / best transformers throughput",
+        "GPT-1 B=64: best hfgpt with its cache / transformers (no cache)",
+    ):
+        assert claims[claim]["value"] > 0, claim
 
 
 def test_largest_fitting_doubles_then_bisects():
@@ -311,6 +412,8 @@ def test_a_time_budget_keeps_room_for_the_timed_rounds(tmp_path, monkeypatch):
         "transformers dynamic cache",
     ]
     assert [s.rsplit(" ", 3)[-3:] for s in report["skipped"]] == [
+        ["hfgpt", "on-device", "loop"],
+        ["transformers", "on-device", "loop"],
         ["hfgpt", "continuous", "batching"],
         ["transformers", "continuous", "batching"],
     ]
