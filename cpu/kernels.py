@@ -250,10 +250,9 @@ def int8_block_tail(
     attention: Tensor, hidden: Tensor, pre_norm: bool, norms: list[Tensor], eps: float, layers: list[Tensor],
     biases: list[Tensor | None],
 ) -> Tensor:  # fmt: skip
-    """The rest of an `Int8Block` after its attention, in one call (csrc/int8_linear.c): c_proj of the
-    attention output (B*T, E), the residual sums with `hidden` (B, T, E), ln_2 and the MLP (c_fc, the tanh
-    GELU, c_proj), and GPT-1's post-norms where not `pre_norm`. `norms`: ln_1 and ln_2's weight and bias;
-    `layers`: each int8 layer's packed weight and scale (c_proj, c_fc, mlp c_proj); `biases`: their biases."""
+    """The rest of an `Int8Block` after its attention (B*T, E) on `hidden` (B, T, E), in one call
+    (csrc/decode_step.h's `block_tail`). `norms`: ln_1's and ln_2's weight and bias; `layers`: the packed
+    weight and scales of c_proj, c_fc and the MLP's c_proj; `biases`: their biases."""
     if len(norms) != 4 or len(layers) != 6 or len(biases) != 3:
         raise ValueError("hfgpt::int8_block_tail: needs 4 norm tensors, 3 packed layers and 3 biases")
     checked = _all_contiguous(
@@ -433,13 +432,10 @@ def int8_decode_step(
     values: list[Tensor], past: int, mask: Tensor | None, scalings: list[float], eps: float, pre_norm: bool,
     final_norm: list[Tensor], final_eps: float,
 ) -> Tensor:  # fmt: skip
-    """One decoding step of an int8 decoding copy in one call (csrc/decode_step.h's `decode_step`): token
-    `ids` at `positions` (B each) through the embeddings, every block and the final layer norm (`final_norm`:
-    its weight and bias, or empty); returns the (B, n) last hidden states. `blocks`: `INT8_BLOCK_TENSORS` a
-    block: ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj,
-    each as packed weight, scales and bias. `keys[l]`, `values[l]`: block l's cache, contiguous
-    (B, H, capacity, 64) buffers holding `past` positions; the step writes position `past` and attends
-    those where `mask` ((B, past + 1) bool or uint8; None: all) is nonzero."""
+    """One decoding step of an int8 decoding copy in one call (csrc/decode_step.h's `decode_step`, which
+    documents the arguments); returns the (B, n) last hidden states. `blocks`: `INT8_BLOCK_TENSORS` a block:
+    ln_1's weight and bias, ln_2's, then c_attn, the attention's c_proj, c_fc and the MLP's c_proj, each as
+    packed weight, scales and bias. `keys[l]`, `values[l]`: contiguous (B, H, capacity, 64) buffers."""
     op, layers = "int8_decode_step", len(keys)
     packed_at, vectors_at = _block_positions(max(layers, 1))
     grouped = len(blocks) == INT8_BLOCK_TENSORS * layers and layers > 0
