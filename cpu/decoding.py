@@ -42,9 +42,8 @@ from .checks import (
 class StepKind:
     """How the one-call step computes a model whose blocks are of one type. `layer_tensors`: the names of
     each linear layer's tensors the operator reads, in its order; `computes(block, width)`: whether the
-    operator computes what `block` would for hidden states of `width` (its layers, norms, activation and
-    mode, no hook on a part it would skip, the C code built); `inner`: a block's MLP width; `step`: the
-    operator's name in `hfgpt.cpu.kernels`."""
+    operator computes what `block` would for hidden states of `width`; `inner`: a block's MLP width; `step`:
+    the operator's name in `hfgpt.cpu.kernels`."""
 
     layer_tensors: tuple[str, ...]
     computes: Callable[[nn.Module, int], bool]
@@ -285,9 +284,8 @@ def _decoding_step(
     return BaseModelOutputWithPast(last_hidden_state=hidden.view(batch, 1, -1), **{CACHE_FIELD: cache})
 
 
-# Each `GPTModel`'s `_StepWatch` of its last full check (`step_tensors`), beside the model rather than in it:
-# a copy of the model (`copy.deepcopy`, pickling) would carry copies of the dictionaries it watches, not the
-# copy's own, and so miss a change made to the copy. (A watch holds the model's parts, never the model.)
+# Each `GPTModel`'s `_StepWatch`, beside the model rather than in it: a copy of the model (deepcopy, pickling)
+# would carry copies of the watched dictionaries, not its own, and miss its changes. (It holds the parts.)
 _WATCHES: "weakref.WeakKeyDictionary[GPTModel, _StepWatch]" = weakref.WeakKeyDictionary()
 
 
