@@ -33,9 +33,8 @@ from .products import few_rows_applies, few_rows_product, one_row_bfloat16
 
 
 class DecodingLinear(nn.Linear):
-    """`nn.Linear` with faster CPU products for a decoding step's few rows: float32 as
-    `hfgpt.cpu.products.few_rows_product`, one bfloat16 row on hfgpt's C kernel (`one_row_bfloat16`);
-    `F.linear` everywhere else."""
+    """`nn.Linear` with faster CPU products for a decoding step's few rows (`few_rows_product`,
+    `one_row_bfloat16`); `F.linear` everywhere else."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if x.numel() else x
@@ -70,10 +69,8 @@ def _symmetric_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` ([rows, in], float32) as int8 values with one scale per `INT8_BLOCK` consecutive inputs of a
-    row, as the C kernel quantises them (`_symmetric_int8` per block). Returns q (float32 holding
-    integers, zero-padded to a multiple of the block) and s ([rows, blocks]); a block holding a NaN or an
-    infinity gets s = NaN and q = 0, so the products come out NaN."""
+    """`x` ([rows, in], float32) as the C kernel quantises it: `_symmetric_int8` per `INT8_BLOCK` inputs of
+    a row. Returns q (float32 holding integers, zero-padded to the block) and s ([rows, blocks])."""
     rows, width = x.shape
     padded = F.pad(x.to(torch.float32), (0, _round_up(width, INT8_BLOCK) - width))  # (out of place: vmap)
     q, scale = _symmetric_int8(padded.view(rows, padded.shape[1] // INT8_BLOCK, INT8_BLOCK))
