@@ -115,9 +115,8 @@ _POSIX = hasattr(os, "geteuid")
 
 @functools.cache
 def _private_group(gid: int) -> bool:
-    """Whether `gid` is this user's own group (the user private groups of Debian, Ubuntu and Fedora, under
-    which a umask of 002 leaves files group-writable): the user's primary group, named as the user, with
-    no other listed member."""
+    """Whether `gid` is this user's private group (Debian's, Ubuntu's, Fedora's, which a umask of 002 leaves
+    writable): the user's primary group, named as the user, with no other listed member."""
     import grp
     import pwd
 
