@@ -3,7 +3,7 @@ in fresh processes, in interleaved rounds (old then new, new then old, ...), wit
 round by round.
 
     python benchmarks/compare_revisions.py --base main~1                   # old main against this checkout
-    python benchmarks/compare_revisions.py --base 469f187 --quick --sections ttft,prefill,decode,lowp,train
+    python benchmarks/compare_revisions.py --base REV --quick --sections ttft,prefill,decode,lowp,train
     .ci/as-avx2 python benchmarks/compare_revisions.py --base main~1 --json old-new-avx2.json
 
 Only hfgpt differs between the arms: both run this checkout's benchmark scripts (the same contenders,
