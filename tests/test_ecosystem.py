@@ -4,8 +4,8 @@ Each section's Python blocks run as one script in a fresh interpreter (as a user
 laid out as the page's first block writes it: `out/gpt2`, `out/gpt1` and `out/gpt2-transformers`,
 converted from the tiny fixture releases of tests/fixtures (GPT-1's with its 4 heads). The test then reads
 the variables the recipe computed. A recipe skips where its tool is not installed; the `test` extra
-installs them all but llama-cpp-python, which compiles llama.cpp on install (its converter comes from its
-source distribution, fetched from the package index). Shell blocks run too, except those in `NOT_RUN`.
+installs them all (llama-cpp-python compiles llama.cpp on install; its converter comes from its source
+distribution, fetched from the package index). Shell blocks run too, except those in `NOT_RUN`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from test_remote_code import (  # tests/ is on sys.path
     ATTENTION_MASK,
@@ -379,9 +380,14 @@ def test_llama_cpp_converter_reads_the_transformers_format(user_folder, gguf_fil
     assert header["tokenizer.ggml.model"] == "gpt2"
 
 
+def test_the_test_extra_installs_the_llama_cpp_python_whose_converter_the_page_runs():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"llama-cpp-python=={llama_cpp_release()}" in extras["test"]
+
+
 @pytest.mark.slow
 def test_llama_cpp_recipe(user_folder, request):
-    needs("llama_cpp")  # pip install llama-cpp-python compiles llama.cpp: the test extra leaves it out
+    needs("llama_cpp")
     request.getfixturevalue("gguf_file")
     out = run_recipe(user_folder, "llama.cpp", ["same_ids", "llama_tokens", "hfgpt_tokens"])
     assert out["same_ids"] is True
