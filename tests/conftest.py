@@ -6,10 +6,12 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2_FIXTURE = FIXTURES / "openai-gpt2-tiny"
@@ -119,6 +121,26 @@ def gpt2_fixture_dir() -> Path:
 @pytest.fixture
 def gpt1_fixture_dir() -> Path:
     return GPT1_FIXTURE
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name`, filled by `make(folder)` once in this run for all of pytest-xdist's workers: the
+    first to get there makes it, the others wait on a file lock and read it (xdist's recipe for a fixture
+    that should run once). Module fixtures that take tens of seconds are then not paid once a worker. The
+    tests that use the folder only read it, or write files of their own names."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, above each worker's own
+    folder = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed half way left
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 import bench_cuda  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
+from conftest import made_once  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,13 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def tiny_reports(tmp_path_factory):
     """Both sections, tiny, eager only (compiling takes tens of seconds on the CPU; one compiled row is
     run by its own test below)."""
-    out = tmp_path_factory.mktemp("bench-cuda")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a busy machine: faster without OpenMP barriers
-    try:
-        assert bench_cuda.main(["--tiny", "--device", "cpu", "--no-compile", "--json-dir", str(out)]) == 0
-    finally:
-        torch.set_num_threads(before)
+
+    def run(out):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny models on a busy machine: faster without OpenMP barriers
+        try:
+            assert bench_cuda.main(["--tiny", "--device", "cpu", "--no-compile", "--json-dir", str(out)]) == 0
+        finally:
+            torch.set_num_threads(before)
+
+    out = made_once(tmp_path_factory, "bench-cuda", run)
     return {
         section: json.loads(bench_cuda.figures_path(out, "cpu", section).read_text())
         for section in bench_cuda.SECTIONS

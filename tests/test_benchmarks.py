@@ -6,7 +6,9 @@ Speed itself is never asserted here: figures come from the benchmark, not from t
 """
 
 import ast
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -25,6 +27,7 @@ import pytest
 import report
 import tomllib
 import torch
+from conftest import made_once  # tests/ is on sys.path
 
 BENCHMARKS = Path(bench_model.__file__).parent
 
@@ -39,14 +42,26 @@ def cpu_benchmark():
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory):
+def tiny_runs(tmp_path_factory) -> Path:
+    """A folder with two tiny runs' figures (`gpt2.json`, `gpt1.json`) and what each printed (`.txt`)."""
     # GPT-2 through every section but compile (tens of seconds of inductor); GPT-1 through the three
     # where its peer differs most (no logits_to_keep, no KV cache).
-    out = tmp_path_factory.mktemp("bench")
     gpt2 = ["--families", "gpt2", "--sections", "prefill,ttft,decode,lowp,train,memory", "--peers", "none"]
     gpt1 = ["--families", "gpt1", "--sections", "prefill,ttft,decode", "--peers", "none"]
-    assert bench_model.main(["--tiny", *gpt2, "--json", str(out / "gpt2.json")]) == 0
-    assert bench_model.main(["--tiny", *gpt1, "--json", str(out / "gpt1.json")]) == 0
+
+    def run(out):
+        for name, argv in (("gpt2", gpt2), ("gpt1", gpt1)):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                assert bench_model.main(["--tiny", *argv, "--json", str(out / f"{name}.json")]) == 0
+            (out / f"{name}.txt").write_text(printed.getvalue())
+
+    return made_once(tmp_path_factory, "bench", run)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tiny_runs):
+    out = tiny_runs
     run_report = json.loads((out / "gpt2.json").read_text())
     run_report["rows"] += json.loads((out / "gpt1.json").read_text())["rows"]
     return run_report
@@ -237,17 +252,14 @@ def test_json_writes_null_for_figures_not_measured(tmp_path):
     }
 
 
-def test_memory_rows_have_null_timings_in_the_json_and_the_table_reads_them(tmp_path, capsys):
-    out = tmp_path / "memory.json"
-    argv = ["--tiny", "--families", "gpt2", "--sections", "memory", "--peers", "none", "--json", str(out)]
-    assert bench_model.main(argv) == 0
-    printed = capsys.readouterr().out
-    run_report = _strict_json(out.read_text())
-    rows = run_report["rows"]
+def test_memory_rows_have_null_timings_in_the_json_and_the_table_reads_them(tiny_runs):
+    run_report = _strict_json((tiny_runs / "gpt2.json").read_text())
+    rows = [r for r in run_report["rows"] if r["section"] == "memory"]
     assert {r["impl"] for r in rows} == {"hfgpt", "transformers"}
     for row in rows:
         assert row["median_s"] is row["min_s"] is row["max_s"] is None and row["rate"] > 0
-    assert report.format_table(run_report) in printed  # the table from the file is the one printed
+    # the table made from the file is the one the run printed
+    assert report.format_table(run_report) in (tiny_runs / "gpt2.txt").read_text()
 
 
 @pytest.mark.parametrize(
@@ -647,25 +659,13 @@ def test_update_docs_rewrites_only_the_generated_regions(tmp_path):
         report.with_region("no markers", report.README_TABLE, "x")
 
 
-def test_ctranslate2_runs_beside_hfgpts_decoding_copies_in_the_lowp_section(tmp_path, capsys):
-    pytest.importorskip("ctranslate2")
-    argv = ["--tiny", "--sections", "lowp", "--peers", "ctranslate2", "--repeats", "1"]
-    assert bench_model.main([*argv, "--json", str(tmp_path / "figures.json")]) == 0
-    rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
-    impls = {family: {r["impl"] for r in rows if r["family"] == family} for family in ("gpt2", "gpt1")}
-    assert contenders.CTRANSLATE2 in impls["gpt2"]
-    assert contenders.CTRANSLATE2 not in impls["gpt1"]  # no GPT-1 converter in CTranslate2
-    ct2 = next(r for r in rows if r["impl"] == contenders.CTRANSLATE2)
-    assert ct2["rate"] > 0 and 0 < ct2["extra"]["max_abs_logit_err"] < 0.5
-    # timed in processes of its own (its OpenMP threads slowed the others in one process): `--repeats` runs
-    # in each of the tiny profile's 2 rounds
-    assert ct2["extra"]["measured"].startswith("alone in fresh processes") and ct2["n"] == 2
-    assert "| gpt2 | decode ctranslate2 int8 |" in capsys.readouterr().out
-
-
 @pytest.mark.slow
 def test_the_int8_copies_are_timed_alone_beside_ctranslate2_round_by_round(tmp_path, monkeypatch, capsys):
+    """CTranslate2 beside hfgpt's int8 copies in the lowp section, each timed in fresh processes of its own, in
+    alternating order. The compiled copy compiles in this process (its accuracy check); in the timing
+    processes TorchDynamo is off (TORCHDYNAMO_DISABLE), which changes their figures, not their order."""
     pytest.importorskip("ctranslate2")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     started = []
     decoder_alone = harness.decoder_alone
 
@@ -677,7 +677,7 @@ def test_the_int8_copies_are_timed_alone_beside_ctranslate2_round_by_round(tmp_p
         return result
 
     monkeypatch.setattr(harness, "decoder_alone", recorded)
-    argv = ["--tiny", "--families", "gpt2", "--sections", "lowp", "--peers", "compile,ctranslate2"]
+    argv = ["--tiny", "--families", "gpt2,gpt1", "--sections", "lowp", "--peers", "compile,ctranslate2"]
     assert bench_model.main([*argv, "--repeats", "3", "--json", str(tmp_path / "figures.json")]) == 0
     ct2, int8, int8c = contenders.CTRANSLATE2, contenders.INT8, contenders.INT8_COMPILED
     assert harness.PROFILES["tiny"]["alone_rounds"] == 2
@@ -685,7 +685,12 @@ def test_the_int8_copies_are_timed_alone_beside_ctranslate2_round_by_round(tmp_p
     assert started == [
         (ct2, 3, True), (int8, 3, True), (int8c, 3, True), (int8c, 3, False), (int8, 3, False), (ct2, 3, False)
     ]  # fmt: skip
-    rows = {r["impl"]: r for r in json.loads((tmp_path / "figures.json").read_text())["rows"]}
+    all_rows = json.loads((tmp_path / "figures.json").read_text())["rows"]
+    impls = {family: {r["impl"] for r in all_rows if r["family"] == family} for family in ("gpt2", "gpt1")}
+    assert ct2 in impls["gpt2"] and ct2 not in impls["gpt1"]  # no GPT-1 converter in CTranslate2
+    rows = {r["impl"]: r for r in all_rows if r["family"] == "gpt2"}
+    assert rows[ct2]["rate"] > 0 and 0 < rows[ct2]["extra"]["max_abs_logit_err"] < 0.5
+    assert rows[ct2]["extra"]["measured"].startswith("alone in fresh processes")
     assert rows[ct2]["n"] == rows[int8]["n"] == rows[int8c]["n"] == 6
     for row in (rows[ct2], rows[int8], rows[int8c]):
         assert f"2 rounds in alternating order with {ct2}, {int8}, {int8c}" in row["extra"]["measured"]
@@ -694,6 +699,7 @@ def test_the_int8_copies_are_timed_alone_beside_ctranslate2_round_by_round(tmp_p
     assert rows[int8c]["extra"][contenders.VS_CTRANSLATE2] == pytest.approx([1 / 3, 6 / 4])
     assert contenders.VS_CTRANSLATE2 not in rows[ct2]["extra"]
     table = capsys.readouterr().out
+    assert "| gpt2 | decode ctranslate2 int8 |" in table
     assert "; 0.85x CTranslate2's speed round by round (0.50-1.20, 2 rounds) |" in table
     assert report._summary_cell(rows[int8]).endswith(", 0.85x CTranslate2's speed round by round")
     # the copy's accuracy is measured here, as the eager copy's (the same copy, the same tokens)

@@ -38,7 +38,7 @@ FIXTURES = {
 }
 EXTRA = {"gpt2": [], "gpt1": ["--n-head", "4"]}  # GPT-1's n_head is not in its files (fixture README: 4)
 SEED = 20_260_101
-CASES = 120  # per release
+CASES = 80  # per release
 PER_CASE_LIMIT = 30.0  # seconds
 SUBPROCESS_CASES = 4
 

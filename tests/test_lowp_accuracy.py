@@ -8,13 +8,17 @@ import math
 import harness
 import lowp_accuracy  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
+from conftest import made_once  # tests/ is on sys.path
+
+
+def train(out):
+    args = ["--tiny", "--steps", "40", "--save", str(out / "model"), "--json", str(out / "trained.json")]
+    assert lowp_accuracy.main(args) == 0
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lowp")
-    args = ["--tiny", "--steps", "40", "--save", str(out / "model"), "--json", str(out / "trained.json")]
-    assert lowp_accuracy.main(args) == 0
+    out = made_once(tmp_path_factory, "lowp", train)
     return out, json.loads((out / "trained.json").read_text())
 
 
