@@ -8,7 +8,6 @@ multiprocessing's fork server, which imported torch, transformers and hfgpt once
 import multiprocessing
 import os
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -194,9 +193,10 @@ def test_misused_kernel_inputs_are_refused_or_step_aside(case, tmp_path):
     )
     process.start()
     process.join(timeout=300)
-    if process.exitcode is None:
+    if process.exitcode is None:  # (still running: the timeout)
         process.kill()
-    printed = Path(output).read_text() if output.exists() else ""
+        process.join()
+    printed = output.read_text() if output.exists() else ""
     assert process.exitcode == 0, f"exit {process.exitcode}\n{printed[-3000:]}"
     last = printed.strip().splitlines()[-1]
     assert last.startswith(EXPECTED[case]), last
