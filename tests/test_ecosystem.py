@@ -52,7 +52,7 @@ NOT_RUN = {
     "hfgpt-convert models/124M": "the page's starting point: `user_folder` converts the fixture releases",
     "transformers serve": "a server: its test starts it in the background on a free port, then stops it",
     "vllm serve": "vLLM and TGI do not install here; the test checks the folder they read",
-    "pip download --no-deps --no-binary :all: llama-cpp-python": (
+    "pip download --no-deps --no-binary llama-cpp-python": (
         "the test fetches the same archive with test_transformers_common's helper (which skips, naming it, "
         "without a package index) and unpacks the converter's files from it"
     ),

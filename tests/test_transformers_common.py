@@ -46,7 +46,10 @@ def fetch_source_distribution(folder: Path, project: str = "transformers", versi
     """`project`==`version`'s source distribution (by default the installed transformers'), downloaded into
     `folder`; skips the test, naming what it could not fetch, where the package index cannot be reached.
     tests/test_ecosystem.py fetches llama-cpp-python's this way too."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet"]
+    # `--no-binary` names the project alone: `:all:` would make pip build the tools that read the archive's
+    # metadata (scikit-build-core, setuptools, ...) from their sources too, minutes on a machine without
+    # pip's cache.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", project, "--quiet"]
     command += ["--retries", "2", "--timeout", "30"]  # (an unreachable index fails within minutes)
     done = subprocess.run(
         [*command, "--dest", str(folder), f"{project}=={version}"],
