@@ -28,6 +28,7 @@ import report
 import tomllib
 import torch
 from conftest import made_once  # tests/ is on sys.path
+from test_transformers_common import pip_or_skip
 
 BENCHMARKS = Path(bench_model.__file__).parent
 
@@ -493,28 +494,10 @@ def torchao_folder(folder: Path) -> Path | None:
         "optional-dependencies"
     ]
     (requirement,) = (r for r in extras["bench"] if r.startswith("torchao"))
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        "--quiet",
-        "--retries",
-        "2",
-        "--timeout",
-        "30",
-    ]
-    done = subprocess.run(
-        [*command, "--target", str(folder), requirement],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    pip_or_skip(
+        ["install", "--no-deps", "--target", str(folder), requirement],
+        f"{requirement} from the package index",
     )
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
-        pytest.skip(f"{requirement} not fetched from the package index: {reason}")
     return folder
 
 

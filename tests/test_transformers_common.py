@@ -49,22 +49,33 @@ def fetch_source_distribution(folder: Path, project: str = "transformers", versi
     # `--no-binary` names the project alone: `:all:` would make pip build the tools that read the archive's
     # metadata (scikit-build-core, setuptools, ...) from their sources too, minutes on a machine without
     # pip's cache.
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", project, "--quiet"]
-    command += ["--retries", "2", "--timeout", "30"]  # (an unreachable index fails within minutes)
+    what = f"{project}=={version}'s source distribution"
+    pip_or_skip(
+        ["download", "--no-deps", "--no-binary", project, "--dest", str(folder), f"{project}=={version}"],
+        what,
+    )
+    # The archive's name is the project's, normalised (llama-cpp-python -> llama_cpp_python-0.3.36.tar.gz).
+    archives = list(folder.glob(f"{re.sub(r'[-_.]+', '_', project)}-{version}.tar.gz"))
+    archives += list(folder.glob(f"{project}-{version}.tar.gz"))
+    if not archives:
+        pytest.skip(f"{what} not fetched: no archive")
+    return archives[0]
+
+
+def pip_or_skip(arguments: list[str], what: str) -> None:
+    """`pip <arguments>` against the package index; skips the test, naming `what` and pip's last line, where
+    it fails (an unreachable index fails within minutes)."""
+    command = [sys.executable, "-m", "pip", *arguments, "--quiet", "--retries", "2", "--timeout", "30"]
     done = subprocess.run(
-        [*command, "--dest", str(folder), f"{project}=={version}"],
+        command,
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
-    # The archive's name is the project's, normalised (llama-cpp-python -> llama_cpp_python-0.3.36.tar.gz).
-    archives = list(folder.glob(f"{re.sub(r'[-_.]+', '_', project)}-{version}.tar.gz"))
-    archives += list(folder.glob(f"{project}-{version}.tar.gz"))
-    if done.returncode != 0 or not archives:
-        reason = (done.stderr.strip().splitlines() or ["no archive"])[-1]
-        pytest.skip(f"{project}=={version}'s source distribution not fetched: {reason}")
-    return archives[0]
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+        pytest.skip(f"{what} not fetched: {reason}")
 
 
 def stub_missing_mixins(tests: Path) -> list[str]:
