@@ -83,42 +83,47 @@ def _decoding_op(function: Callable | None = None, *, mutates_args: tuple[str, .
     return operator
 
 
-def _expect_row(op: str, dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def _expect_rows(
+    op: str, dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None, one: bool
+) -> int:
+    """Check a row product's arguments (`one`: of one row of x only); returns its outputs."""
     _expect(op, dtype, x=x, weight=weight, bias=bias)
     _contiguous(op, x=x, weight=weight, bias=bias)
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2:
-        raise ValueError(f"hfgpt::{op}: needs one row x (1, in) and a 2-D weight, got {tuple(x.shape)}")
+    if x.dim() != 2 or (one and x.shape[0] != 1) or weight.dim() != 2:
+        wanted = "one row x (1, in)" if one else "rows x (rows, in)"
+        raise ValueError(f"hfgpt::{op}: needs {wanted} and a 2-D weight, got {tuple(x.shape)}")
+    out, width = weight.shape
+    if x.shape[1] != width or (bias is not None and bias.numel() != out):
+        given = "" if bias is None else f" and {bias.numel()} biases"
+        raise ValueError(f"hfgpt::{op}: x {tuple(x.shape)}{given} against a {out} x {width} weight")
+    return out
 
 
 @_decoding_op
-def row_product(x: Tensor, weight: Tensor, parts: int) -> Tensor:
-    """`x @ weight.T` for one float32 row `x` (1, in) and an `[out, in]` weight, split between `parts`
-    threads, each reading its run of the weight's rows once (csrc/row_product.c)."""
-    _expect_row("row_product", torch.float32, x, weight, None)
-    out, width = weight.shape
-    if x.shape[1] != width:
-        raise ValueError(f"hfgpt::row_product: x {tuple(x.shape)} against a {out} x {width} weight")
-    y = x.new_empty(1, out)
+def row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear(x, weight, bias)` for float32 rows `x` (rows, in) and an `[out, in]` weight, each thread
+    reading its run of the weight's rows once for all of x's rows (csrc/row_product.c)."""
+    out, (rows, width) = _expect_rows("row_product", torch.float32, x, weight, bias, one=False), x.shape
+    y = x.new_empty(rows, out)
     status = _library("row_product").hfgpt_row_product(
-        x.data_ptr(), weight.data_ptr(), out, width, None, y.data_ptr(), parts
+        x.data_ptr(),
+        weight.data_ptr(),
+        rows,
+        out,
+        width,
+        _pointer(bias),
+        y.data_ptr(),
+        torch.get_num_threads(),
     )
     _ok(status, "row_product", f"a {out} x {width} weight")
     return y
-
-
-@torch.library.register_fake("hfgpt::row_product")
-def _(x: Tensor, weight: Tensor, parts: int) -> Tensor:
-    return x.new_empty(1, weight.shape[0])
 
 
 @_decoding_op
 def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` for one bfloat16 row `x` (1, in) and a bfloat16 `[out, in]` weight, summed
     in float32 and rounded once (csrc/row_product.c)."""
-    _expect_row("row_product_bf16", torch.bfloat16, x, weight, bias)
-    out, width = weight.shape
-    if x.shape[1] != width or (bias is not None and bias.numel() != out):
-        raise ValueError(f"hfgpt::row_product_bf16: x {tuple(x.shape)} against a {out} x {width} weight")
+    out, width = _expect_rows("row_product_bf16", torch.bfloat16, x, weight, bias, one=True), x.shape[1]
     y = x.new_empty(1, out)
     status = _library("row_product").hfgpt_row_product_bf16(
         x.data_ptr(), weight.data_ptr(), out, width, _pointer(bias), y.data_ptr(), torch.get_num_threads()
@@ -127,9 +132,10 @@ def row_product_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y
 
 
+@torch.library.register_fake("hfgpt::row_product")
 @torch.library.register_fake("hfgpt::row_product_bf16")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(1, weight.shape[0])
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 # The packed int8 weight's layout (csrc/int8_linear.c): [ceil(out / TILE)][inp / 4][TILE][4] bytes, inp the

@@ -72,8 +72,8 @@ SIGNATURES = {
     "row_product": {
         # x, w, out, in, bias, y, threads (bfloat16 x, w, bias and y)
         "hfgpt_row_product_bf16": (_INT, [_P, _P, _I64, _I64, _P, _P, _INT]),
-        # x, w, out, in, bias, y, threads
-        "hfgpt_row_product": (_INT, [_P, _P, _I64, _I64, _P, _P, _INT]),
+        # x, w, rows, out, in, bias, y, threads
+        "hfgpt_row_product": (_INT, [_P, _P, _I64, _I64, _I64, _P, _P, _INT]),
         "hfgpt_float_decode_step": _DECODE_STEP,
     },
 }

@@ -1,7 +1,7 @@
 """Products of a decoding step's few rows with a weight (the LM head's logits, a decoding copy's layers),
 bound by how fast the weight is read. `F.linear` of a few rows with a tall weight, such as GPT-2's 50257 x 768
-LM head, runs MKL's small-matrix kernel, which reads it several times slower than `weight @ rows^T`
-(benchmarks/RESULTS.md); one row goes to hfgpt's C kernel, each thread reading its run of the rows once.
+LM head, runs MKL's small-matrix kernel, which reads it several times over on some CPUs (benchmarks/RESULTS.md);
+hfgpt's C kernel reads it once for all the rows, each thread its run of the weight's rows.
 """
 
 import torch
@@ -13,9 +13,11 @@ from .checks import eager, needs_grad, plain_tensors
 FEW_ROWS = 16
 
 
-def few_rows_applies(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `few_rows_product` computes `rows @ weight.T`: 1 to `FEW_ROWS` float32 rows (rows, in) and a
-    contiguous float32 `[out, in]` weight, plain CPU tensors without gradients, run eagerly outside autocast."""
+def few_rows_applies(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `few_rows_product` computes `F.linear(rows, weight, bias)`: 1 to `FEW_ROWS` float32 rows
+    (rows, in), a contiguous float32 `[out, in]` weight and bias, plain CPU tensors without gradients, run
+    eagerly outside autocast, the C kernel built."""
+    tensors = (rows, weight) if bias is None else (rows, weight, bias)
     return (
         rows.dim() == 2
         and 0 < rows.shape[0] <= FEW_ROWS
@@ -25,21 +27,21 @@ def few_rows_applies(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.is_contiguous()
         and rows.shape[1] == weight.shape[1]
-        and plain_tensors(rows, weight)
-        and not needs_grad(rows, weight)
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.shape == weight.shape[:1]))
+        and plain_tensors(*tensors)
+        and not needs_grad(*tensors)
         and not torch.is_autocast_enabled("cpu")
         and eager()
+        and kernels.available("row_product")
     )
 
 
-def few_rows_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`rows @ weight.T` where `few_rows_applies`, contiguous (rows, out): one row on the C kernel split
-    between the threads (`torch.ops.hfgpt.row_product`), more as `weight @ rows^T`."""
-    threads = torch.get_num_threads()
-    if len(rows) == 1 and threads > 1 and kernels.available("row_product"):
-        return kernels.row_product(rows.contiguous(), weight, threads)
-    columns = torch.cat([rows, rows]) if len(rows) == 1 else rows  # one column takes the slow kernel again
-    return torch.mm(weight, columns.T)[:, : len(rows)].T.contiguous()
+def few_rows_product(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(rows, weight, bias)` where `few_rows_applies`, contiguous (rows, out), on hfgpt's C kernel
+    (`torch.ops.hfgpt.row_product`): each thread reads its run of the weight once for all the rows."""
+    return kernels.row_product(rows.contiguous(), weight, bias)
 
 
 def one_row_bfloat16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -42,12 +42,9 @@ class DecodingLinear(nn.Linear):
             out = one_row_bfloat16(rows, self.weight, self.bias)
             if out is not None:
                 return out.view(*x.shape[:-1], -1)
-        if x.dtype != torch.float32 or not x.numel() or not few_rows_applies(rows, self.weight):
+        if x.dtype != torch.float32 or not x.numel() or not few_rows_applies(rows, self.weight, self.bias):
             return F.linear(x, self.weight, self.bias)
-        out = few_rows_product(rows, self.weight)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.view(*x.shape[:-1], -1)
+        return few_rows_product(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
 
 
 # inputs of a row that share one activation scale, and output channels packed together (csrc/int8_linear.c)

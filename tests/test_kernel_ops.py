@@ -46,9 +46,9 @@ def test_fake_tensors_get_shapes_without_running_c(monkeypatch):
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         y = kernels.int8_linear(torch.empty(2, 5, 72), packed, scale, bias)
-        row = kernels.row_product(torch.empty(1, 72), torch.empty(40, 72), 2)
+        row = kernels.row_product(torch.empty(3, 72), torch.empty(40, 72), None)
     assert y.shape == (2, 5, 40) and y.dtype == torch.float32
-    assert row.shape == (1, 40) and row.dtype == torch.float32
+    assert row.shape == (3, 40) and row.dtype == torch.float32
 
 
 @needs_int8
@@ -83,7 +83,9 @@ def test_int8_linear_names_the_argument_it_refuses(args, message):
 
 @needs_kernel
 def test_row_product_passes_opcheck():
-    torch.library.opcheck(kernels.row_product, (randn(1, 48), randn(40, 48, seed=1), 2))
+    x, weight = randn(3, 48), randn(40, 48, seed=1)
+    torch.library.opcheck(kernels.row_product, (x, weight, None))
+    torch.library.opcheck(kernels.row_product, (x[:1], weight, randn(40, seed=2)))
 
 
 @needs_kernel

@@ -120,7 +120,7 @@ def _assert_genuine_kernel(library, not_in: Path) -> None:
     assert not Path(library._name).is_relative_to(not_in)
     x, weight = torch.tensor([[1.0, 2.0, -3.0]]), torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 1.0]])
     y = torch.full((1, 2), float("nan"))
-    assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 2, 3, None, y.data_ptr(), 1) == 0
+    assert library.hfgpt_row_product(x.data_ptr(), weight.data_ptr(), 1, 2, 3, None, y.data_ptr(), 1) == 0
     torch.testing.assert_close(y, x @ weight.T)
 
 

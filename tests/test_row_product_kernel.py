@@ -1,6 +1,6 @@
-"""hfgpt's one-row product kernels (cpu/csrc/row_product.c): `few_rows_product` at one float32 row (an
-`[out, in]` weight, the LM head of a decoding step) and `one_row_bfloat16` against torch's products, in a
-decoding step, and where they step aside."""
+"""hfgpt's row product kernels (cpu/csrc/row_product.c): `few_rows_product` at 1 to 16 float32 rows (an
+`[out, in]` weight: the LM head of a decoding step, a decoding copy's layers) and `one_row_bfloat16` against
+torch's products, in a decoding step, and where they step aside."""
 
 import pytest
 import torch
@@ -44,16 +44,39 @@ SHAPES = [(1, 1), (5, 15), (7, 17), (33, 64), (97, 130), (2304, 768), (768, 3072
 
 
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
+@pytest.mark.parametrize("rows, bias", [(1, False), (2, True), (3, False), (16, True)])
 @pytest.mark.parametrize("out, width", SHAPES)
-def test_row_product_equals_f_linear(out, width, torch_threads, kernel_calls):
+def test_row_product_equals_f_linear(out, width, rows, bias, torch_threads, kernel_calls):
     generator = torch.Generator().manual_seed(out + width)
-    x, weight = torch.randn(1, width, generator=generator), torch.randn(out, width, generator=generator)
+    x, weight = torch.randn(rows, width, generator=generator), torch.randn(out, width, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
     with torch.no_grad():
-        assert few_rows_applies(x, weight)
-        got = few_rows_product(x, weight)
+        assert few_rows_applies(x, weight, b)
+        got = few_rows_product(x, weight, b)
     assert kernel_calls == ["hfgpt_row_product"]
-    assert got.shape == (1, out) and got.is_contiguous()
-    assert_as_close_as_torch(got, F.linear(x, weight), F.linear(x.double(), weight.double()))
+    assert got.shape == (rows, out) and got.is_contiguous()
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert_as_close_as_torch(got, F.linear(x, weight, b), exact)
+
+
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it_or_the_threads(kernel_calls):
+    """Each row of x is summed in the same order alone, in a pair or as the odd row out, on any number of
+    threads: a sequence's logits are the same bits at every batch size."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(16, 203, generator=generator), torch.randn(97, 203, generator=generator)
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(2)
+            batch = few_rows_product(x, weight)
+            assert torch.equal(few_rows_product(x[3:6], weight), batch[3:6])  # row 5 the odd one out
+            for row in range(16):
+                assert torch.equal(few_rows_product(x[row : row + 1], weight), batch[row : row + 1])
+            torch.set_num_threads(3)
+            assert torch.equal(few_rows_product(x, weight), batch)
+    finally:
+        torch.set_num_threads(before)
+    assert kernel_calls == ["hfgpt_row_product"] * 19
 
 
 @pytest.mark.parametrize("torch_threads", [2], indirect=True)
@@ -66,13 +89,12 @@ def test_row_products_keep_nans_and_infinities(torch_threads, kernel_calls):
 
 
 @pytest.mark.parametrize("torch_threads", [2], indirect=True)
-@pytest.mark.parametrize("family", ["gpt2", "gpt1"])
-def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
-    family, torch_threads, kernel_calls
-):
-    """A decoding step at batch size 1 runs every block in one call into csrc/row_product.c's step and the
-    LM head on the `[out, in]` row product, in the model and in its float32 decoding copy alike: the tokens
-    are transformers' on the same weights, the logits equal to float rounding."""
+@pytest.mark.parametrize("family, batch", [("gpt2", 1), ("gpt1", 1), ("gpt2", 3), ("gpt1", 3)])
+def test_greedy_decoding_runs_the_kernel_with_transformers_tokens(family, batch, torch_threads, kernel_calls):
+    """A decoding step runs every block in one call into csrc/row_product.c's step and the LM head on the
+    `[out, in]` row product, in the model and in its float32 decoding copy alike, at batch size 1 and with
+    a left-padded batch of 3: the tokens are transformers' on the same weights, the logits equal to float
+    rounding."""
     torch.manual_seed(0)
     config = GPTConfig.from_preset(
         "gpt2" if family == "gpt2" else "openai-gpt", n_embd=128, n_layer=2, n_head=2, vocab_size=500,
@@ -81,7 +103,8 @@ def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
     model = GPTForCausalLM(config).eval()
     peer = to_transformers(model).eval()
     copy = quantize_for_decoding(model, torch.float32)
-    ids, mask = torch.randint(0, 500, (1, 9)), torch.ones(1, 9, dtype=torch.long)
+    ids, mask = torch.randint(0, 500, (batch, 9)), torch.ones(batch, 9, dtype=torch.long)
+    mask[1:, :3] = 0  # (rows after the first left-padded)
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
         expected = peer.generate(ids, **settings)
@@ -91,10 +114,11 @@ def test_greedy_decoding_at_one_row_runs_the_kernel_with_transformers_tokens(
             # each of the 11 steps after the prompt's: the blocks in one call, then the LM head
             assert kernel_calls == ["hfgpt_float_decode_step", "hfgpt_row_product"] * 11
         step = ids[:, -1:]
-        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).past_key_values
         torch.testing.assert_close(
-            model(step, past_key_values=cache).logits, peer(ids).logits[:, -1:], atol=1e-5, rtol=1e-5
-        )
+            model(step, attention_mask=mask, past_key_values=cache).logits,
+            peer(ids, attention_mask=mask).logits[:, -1:], atol=1e-5, rtol=1e-5,
+        )  # fmt: skip
     assert isinstance(peer, GPT2LMHeadModel) == (family == "gpt2")
 
 
@@ -103,8 +127,8 @@ def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_i
     torch_threads, kernel_calls, monkeypatch
 ):
     """The kernel is a torch operator (`torch.ops.hfgpt.row_product`): a dispatch mode records it as one op.
-    With `HFGPT_NATIVE=0` torch's split product runs instead."""
-    x, weight = torch.randn(1, 48), torch.randn(40, 48)
+    With `HFGPT_NATIVE=0` it does not apply, and the caller's own product runs."""
+    x, weight = torch.randn(4, 48), torch.randn(40, 48)
     with torch.no_grad():
         with OpRecorder() as recorder:
             got = few_rows_product(x, weight)
@@ -113,11 +137,7 @@ def test_a_dispatch_mode_sees_the_row_product_kernel_and_hfgpt_native_0_leaves_i
         torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
         monkeypatch.setenv("HFGPT_NATIVE", "0")
         native.kernel.cache_clear()
-        assert not kernels.available("row_product")
-        with OpRecorder() as recorder:
-            got = few_rows_product(x, weight)
-        assert torch.ops.aten.mm.default in recorder.ops and kernel_calls == ["hfgpt_row_product"]
-        torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        assert not kernels.available("row_product") and not few_rows_applies(x, weight)
 
 
 @pytest.mark.parametrize("target", NARROW_TARGETS)
@@ -127,24 +147,29 @@ def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_pa
     the native build: the same products to float rounding, at widths that end in a partial vector, the
     bfloat16 one's included."""
     generator = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(1, 203, generator=generator), torch.randn(45, 203, generator=generator)
+    x, weight = torch.randn(5, 203, generator=generator), torch.randn(45, 203, generator=generator)
     bias = torch.randn(45, generator=generator)
-    halves = [t.bfloat16() for t in (x, weight, bias)]
-    results = []
+    halves = [t.bfloat16() for t in (x[:1], weight, bias)]
+    results, before = [], torch.get_num_threads()
     library = narrow_build(tmp_path, "row_product", target)
     for build in (None, library):
         with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
             if build is not None:
                 using_library(patch, "row_product", build)
-            products = kernels.row_product(x, weight, 2), kernels.row_product(x, weight, 3)
+            products = []
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                products += [kernels.row_product(x, weight, bias), kernels.row_product(x[:1], weight, None)]
+            torch.set_num_threads(before)
             results.append((*products, kernels.row_product_bf16(*halves)))
     for got, narrow in zip(*results, strict=True):  # (bfloat16 sums may round apart in the last place)
         rtol = 1e-5 if got.dtype == torch.float32 else 2.0**-7
         torch.testing.assert_close(narrow.float(), got.float(), atol=1e-5, rtol=rtol)
-    torch.testing.assert_close(results[1][0], F.linear(x, weight), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(results[1][1], F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    expected_products = [F.linear(x, weight, bias), F.linear(x[:1], weight)] * 2
+    for got, expected in zip(results[1][:4], expected_products, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
     exact = F.linear(*(t.double() for t in halves))
-    assert ((results[1][2].double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+    assert ((results[1][4].double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
 
 
 @pytest.mark.parametrize("torch_threads", [2, 3], indirect=True)
