@@ -23,11 +23,10 @@ def few_rows_applies(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         and 0 < rows.shape[0] <= FEW_ROWS
         and rows.dtype == weight.dtype == torch.float32
         and rows.is_cpu
-        and weight.is_cpu
         and weight.dim() == 2
-        and weight.is_contiguous()
         and rows.shape[1] == weight.shape[1]
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.shape == weight.shape[:1]))
+        and (bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
+        and all(t.is_cpu and t.is_contiguous() for t in tensors[1:])
         and plain_tensors(*tensors)
         and not needs_grad(*tensors)
         and not torch.is_autocast_enabled("cpu")

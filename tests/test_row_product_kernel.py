@@ -79,6 +79,24 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it_or_the_threads(kern
     assert kernel_calls == ["hfgpt_row_product"] * 19
 
 
+def test_the_row_product_steps_aside_for_what_it_would_misread(kernel_calls):
+    """A strided weight or bias, one of another dtype or shape, gradients, more than `FEW_ROWS` rows: not the
+    kernel's (no exception where `F.linear` raises none); the float32 decoding copy's layer runs `F.linear`."""
+    x, weight, bias = torch.randn(2, 48), torch.randn(40, 48), torch.randn(80)
+    with torch.no_grad():
+        assert few_rows_applies(x, weight, bias[:40]) and few_rows_applies(x, weight)
+        for args in [
+            (x, weight, bias[::2]), (x, weight.T.contiguous().T), (x, weight, bias[:40].double()),
+            (x, weight, bias[:40, None]), (torch.randn(17, 48), weight),
+        ]:  # fmt: skip
+            assert not few_rows_applies(*args)
+        layer = quantization.DecodingLinear(48, 40)
+        layer.bias = torch.nn.Parameter(bias[::2])
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, bias[::2]))
+    assert not few_rows_applies(x, weight.requires_grad_())
+    assert kernel_calls == []
+
+
 @pytest.mark.parametrize("torch_threads", [2], indirect=True)
 def test_row_products_keep_nans_and_infinities(torch_threads, kernel_calls):
     x, weight = torch.ones(1, 40), torch.ones(6, 40)
