@@ -104,16 +104,9 @@ def row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` for float32 rows `x` (rows, in) and an `[out, in]` weight, each thread
     reading its run of the weight's rows once for all of x's rows (csrc/row_product.c)."""
     out, (rows, width) = _expect_rows("row_product", torch.float32, x, weight, bias, one=False), x.shape
-    y = x.new_empty(rows, out)
+    y, threads = x.new_empty(rows, out), torch.get_num_threads()
     status = _library("row_product").hfgpt_row_product(
-        x.data_ptr(),
-        weight.data_ptr(),
-        rows,
-        out,
-        width,
-        _pointer(bias),
-        y.data_ptr(),
-        torch.get_num_threads(),
+        x.data_ptr(), weight.data_ptr(), rows, out, width, _pointer(bias), y.data_ptr(), threads
     )
     _ok(status, "row_product", f"a {out} x {width} weight")
     return y
