@@ -912,3 +912,45 @@ def test_two_checkouts_run_side_by_side_in_fresh_processes(tmp_path, capsys):
             [n / o for n, o in zip(rates["new"], rates["base"], strict=True)]
         )
     assert "| gpt2 | ttft |" in capsys.readouterr().out
+
+
+# --- the LM head's product -----------------------------------------------------------------------------------
+
+
+def test_the_head_benchmark_runs_each_arm_in_turn_and_checks_every_product(monkeypatch, tmp_path, capsys):
+    """bench_head.py: each round runs every arm once, the order rotating; each arm's products are checked
+    against float64's; the ratios are the other arms' medians over hfgpt's; the host is named."""
+    import bench_head
+
+    started = []
+
+    def in_this_process(spec):
+        started.append(spec["arm"])
+        return bench_head.time_arm(spec["arm"], spec["rows"], tuple(spec["shape"]), spec["repeats"])
+
+    monkeypatch.setattr(bench_head, "run_worker", in_this_process)
+    path = tmp_path / "head.json"
+    argv = ["--tiny", "--rows", "1,3", "--rounds", "2", "--repeats", "2", "--json", str(path)]
+    assert bench_head.main(argv) == 0
+    hfgpt, linear, transposed = bench_head.ARMS
+    assert started == [hfgpt, linear, transposed, linear, transposed, hfgpt]
+    figures = json.loads(path.read_text())
+    for arm in bench_head.ARMS:
+        assert figures["max_error"][arm] < 1e-4 and set(figures["medians_ms"][arm]) == {"1", "3"}
+        assert len(figures["rounds"][arm]) == 2
+    for arm in (linear, transposed):
+        for rows in ("1", "3"):
+            ratio = figures["medians_ms"][arm][rows] / figures["medians_ms"][hfgpt][rows]
+            assert figures["ratios"][arm][rows] == pytest.approx(ratio)
+    assert figures["machine"]["host"] in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_head.main(["--tiny", "--rows", "17"])
+
+
+def test_a_head_benchmark_arm_runs_in_a_fresh_process():
+    import bench_head
+
+    result = bench_head.run_worker({"arm": "F.linear", "rows": [2], "shape": [40, 24], "repeats": 1})
+    assert set(result["ms"]) == {"2"} and result["max_error"] < 1e-5
+    with pytest.raises(ValueError, match="no arm 'nothing'"):
+        bench_head.product("nothing")
