@@ -310,6 +310,7 @@ OTHER_FIGURES = {
     "figures-cuda-training.json",  # bench_cuda.py (a GPU run)
     "figures-cuda-decoding.json",  # bench_cuda.py (a GPU run)
     "profile-cuda-training.json",  # profile_cuda.py (a GPU run)
+    "head-cpu.json",  # bench_head.py
 }
 
 
