@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,13 +66,10 @@ def time_arm(arm: str, rows: list[int], shape: tuple[int, int], repeats: int) ->
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """`time_arm` in a fresh process."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {spec['arm']} arm failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`time_arm` in a fresh process: this script's `--worker`, run by `harness.run_worker`."""
+    from harness import run_worker as run_script  # (not in the workers: it imports every contender)
+
+    return run_script(f"the {spec['arm']} arm", spec, script=__file__)
 
 
 def measure(rows: list[int], shape: tuple[int, int], rounds: int, repeats: int) -> dict[str, Any]:

@@ -389,11 +389,12 @@ def alone_rounds(
     return {kind: {**run, "measured": measured} for kind, run in runs.items()}
 
 
-def run_worker(what: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """This script's `--worker spec` in a fresh process (`memory_worker` or `decoder_worker`): its
-    JSON result, or an error naming `what` and the worker's last output."""
+def run_worker(what: str, spec: dict[str, Any], script: str = __file__) -> dict[str, Any]:
+    """`script --worker spec` in a fresh process (by default this one's: `memory_worker` or
+    `decoder_worker`): its JSON result (the last line it prints), or an error naming `what` and the worker's
+    last output."""
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)],
+        [sys.executable, script, "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,

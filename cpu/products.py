@@ -7,7 +7,7 @@ hfgpt's C kernel reads it once for all the rows, each thread its run of the weig
 import torch
 
 from . import kernels
-from .checks import eager, needs_grad, plain_tensors
+from .checks import eager, float32_vector, has_storage, needs_grad, plain_tensors
 
 # Up to this many rows (a decoding step), a product with a weight runs as `few_rows_product`.
 FEW_ROWS = 16
@@ -21,12 +21,13 @@ def few_rows_applies(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return (
         rows.dim() == 2
         and 0 < rows.shape[0] <= FEW_ROWS
-        and rows.dtype == weight.dtype == torch.float32
+        and rows.dtype == torch.float32
         and rows.is_cpu
+        and has_storage(rows)
         and weight.dim() == 2
         and rows.shape[1] == weight.shape[1]
-        and (bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
-        and all(t.is_cpu and t.is_contiguous() for t in tensors[1:])
+        and float32_vector(weight, tuple(weight.shape))
+        and (bias is None or float32_vector(bias, tuple(weight.shape[:1])))
         and plain_tensors(*tensors)
         and not needs_grad(*tensors)
         and not torch.is_autocast_enabled("cpu")

@@ -1,12 +1,13 @@
 """Shared test settings. The fixtures under tests/fixtures are copies of ../shared/fixtures so the suite
 runs from a lone clone of the project."""
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -143,24 +144,31 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
     return folder
 
 
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[int]:
+    """torch's intra-op threads set to `count` inside, set back after (an exception too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models train several times faster on one torch thread: a busy 2-core machine otherwise spends
     their time in OpenMP barrier waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(1):
+        yield
 
 
 @pytest.fixture
 def torch_threads(request):
-    """Runs a test on `request.param` intra-op threads (parametrize it with `indirect=True`): the one-row
+    """Runs a test on `request.param` intra-op threads (parametrize it with `indirect=True`): the row
     products split their work by the thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with intra_op_threads(request.param) as count:
+        yield count
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ torch's products, in a decoding step, and where they step aside."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import intra_op_threads  # tests/ is on sys.path
 from kernel_testing import (  # tests/ is on sys.path
     NARROW_TARGETS,
     OpRecorder,
@@ -64,18 +65,14 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it_or_the_threads(kern
     threads: a sequence's logits are the same bits at every batch size."""
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(16, 203, generator=generator), torch.randn(97, 203, generator=generator)
-    before = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(2)
+    with torch.no_grad():
+        with intra_op_threads(2):
             batch = few_rows_product(x, weight)
             assert torch.equal(few_rows_product(x[3:6], weight), batch[3:6])  # row 5 the odd one out
             for row in range(16):
                 assert torch.equal(few_rows_product(x[row : row + 1], weight), batch[row : row + 1])
-            torch.set_num_threads(3)
+        with intra_op_threads(3):
             assert torch.equal(few_rows_product(x, weight), batch)
-    finally:
-        torch.set_num_threads(before)
     assert kernel_calls == ["hfgpt_row_product"] * 19
 
 
@@ -168,7 +165,7 @@ def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_pa
     x, weight = torch.randn(5, 203, generator=generator), torch.randn(45, 203, generator=generator)
     bias = torch.randn(45, generator=generator)
     halves = [t.bfloat16() for t in (x[:1], weight, bias)]
-    results, before = [], torch.get_num_threads()
+    results = []
     library = narrow_build(tmp_path, "row_product", target)
     for build in (None, library):
         with monkeypatch.context() as patch:  # (undone before the fixture clears the real kernel's cache)
@@ -176,9 +173,11 @@ def test_a_build_for_narrower_vectors_gives_the_same_row_products(target, tmp_pa
                 using_library(patch, "row_product", build)
             products = []
             for threads in (2, 3):
-                torch.set_num_threads(threads)
-                products += [kernels.row_product(x, weight, bias), kernels.row_product(x[:1], weight, None)]
-            torch.set_num_threads(before)
+                with intra_op_threads(threads):
+                    products += [
+                        kernels.row_product(x, weight, bias),
+                        kernels.row_product(x[:1], weight, None),
+                    ]
             results.append((*products, kernels.row_product_bf16(*halves)))
     for got, narrow in zip(*results, strict=True):  # (bfloat16 sums may round apart in the last place)
         rtol = 1e-5 if got.dtype == torch.float32 else 2.0**-7
