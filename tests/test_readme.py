@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import os
 import random
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -247,6 +249,59 @@ def _run(argv: list[str], work: Path, env: dict[str, str], what: str) -> None:
     )
 
 
+class PreloadedPython:
+    """tests/preloaded_python.py started in `work` with `env`: `run` runs a script, or a command of an
+    installed console script, in a forked copy of it (as a fresh interpreter would, less the imports of
+    torch and transformers that each of the blocks would repeat)."""
+
+    def __init__(self, work: Path, env: dict[str, str]) -> None:
+        self.work, self.env = work, env
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("preloaded_python.py"))],
+            cwd=work,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.runs = 0
+
+    def run(self, argv: list[str], what: str) -> None:
+        output = self.work / f"output_{self.runs}.txt"
+        self.runs += 1
+        request = {"argv": argv, "cwd": str(self.work), "output": str(output)}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        if not select.select([self.process.stdout], [], [], 900)[0]:
+            raise TimeoutError(f"{what}: no exit status in 900 s")
+        answer = self.process.stdout.readline()
+        assert answer.strip() == "0", (
+            f"{what} failed ({answer.strip() or 'the preloaded interpreter died'}):\n"
+            + (output.read_text()[-8000:] if output.exists() else "")
+        )
+
+    def __enter__(self) -> PreloadedPython:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        finally:
+            self.process.kill()
+
+
+def _command_argv(command: str, env: dict[str, str]) -> list[str] | None:
+    """A shell command's argv where it is a plain call of one of hfgpt's console scripts (no shell syntax)
+    installed on the environment's PATH, else None (bash runs it)."""
+    if set(command) & set("|&;<>()$`*?'\"\\"):
+        return None
+    argv = command.split()
+    installed = shutil.which(argv[0], path=env["PATH"])
+    is_hfgpt = any(e.value.startswith("hfgpt.") for e in entry_points(group="console_scripts", name=argv[0]))
+    return argv if installed and is_hfgpt else None
+
+
 def _substituted(code: str) -> str:
     for old, new in SUBSTITUTIONS.items():
         code = code.replace(old, new)
@@ -264,18 +319,25 @@ def test_readme_and_docs_code_blocks_run_offline(user_folder):
         for block in code_blocks(ROOT / "docs" / name)
         if block[0] == "python"
     ]
-    for where, language, code in blocks:
-        if code.strip() in NOT_RUN:
-            continue
-        assert language in ("bash", "python"), f"{where}: a {language or 'plain'} block the test cannot run"
-        if language == "bash":
-            for command in commands(_substituted(code)):
-                _run(["bash", "-c", command], work, env, f"{where}: {command}")
-        else:
-            script = work / f"block_{ran}.py"
-            script.write_text(_substituted(code))
-            _run([sys.executable, str(script)], work, env, f"{where} block:\n{code}")
-        ran += 1
+    with PreloadedPython(work, env) as python:
+        for where, language, code in blocks:
+            if code.strip() in NOT_RUN:
+                continue
+            assert language in ("bash", "python"), (
+                f"{where}: a {language or 'plain'} block the test cannot run"
+            )
+            if language == "bash":
+                for command in commands(_substituted(code)):
+                    argv = _command_argv(command, env)
+                    if argv is None:
+                        _run(["bash", "-c", command], work, env, f"{where}: {command}")
+                    else:
+                        python.run(argv, f"{where}: {command}")
+            else:
+                script = work / f"block_{ran}.py"
+                script.write_text(_substituted(code))
+                python.run([str(script)], f"{where} block:\n{code}")
+            ran += 1
     assert ran == len(code_blocks(README)) - len(NOT_RUN) + sum(
         1 for name in DOCS_RUN for block in code_blocks(ROOT / "docs" / name) if block[0] == "python"
     )
