@@ -72,6 +72,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if "HFGPT_CACHE_DIR" not in os.environ:
         _session_kernel_cache = Path(tempfile.mkdtemp(prefix="hfgpt-tests-kernels-"))
         _session_env.setenv("HFGPT_CACHE_DIR", str(_session_kernel_cache))
+    # pytest-xdist's workers share the CPUs: each worker, and the processes its tests start, runs torch on
+    # its share of them. Two workers on 2 cores with torch's default of 2 threads each spend much of their
+    # time in OpenMP barrier waits. The tests of threaded paths set their thread counts themselves
+    # (`intra_op_threads`).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        _session_env.setenv("OMP_NUM_THREADS", str(share))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -210,3 +219,10 @@ def backend_for_backend_tests(request, monkeypatch):
         backend.install()
         monkeypatch.setattr(backend, "_DEFAULT", True)
     yield
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked `slow` run first, each group in its own order: pytest-xdist's workers then share out
+    the long tests at the start and the short ones at the end, rather than one worker running a long test
+    at the end while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -227,6 +227,7 @@ SWITCHED_OFF = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("setting", "expected"), [("0", "False sdpa"), ("1", "True sdpa")])
 def test_the_environment_switch(setting, expected):
     env = {**os.environ, "HFGPT_CPU_BACKEND": setting}

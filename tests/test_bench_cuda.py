@@ -36,6 +36,7 @@ def tiny_reports(tmp_path_factory):
     }, out
 
 
+@pytest.mark.slow
 def test_training_rows_have_every_eager_contender_and_sane_figures(tiny_reports):
     report = tiny_reports[0]["train"]
     assert report["errors"] == [] and report["skipped"] == [] and report["complete"] is True
@@ -326,6 +327,7 @@ def test_a_run_stopped_mid_section_leaves_the_rows_it_measured(tmp_path, monkeyp
     assert "Stopped before the section's end" in bench_cuda.gpu_table({"train": report})
 
 
+@pytest.mark.slow
 def test_the_profile_script_times_each_contender_kernel_by_kernel(tmp_path):
     import profile_cuda  # benchmarks/profile_cuda.py
 

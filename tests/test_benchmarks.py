@@ -68,6 +68,7 @@ def tiny_report(tiny_runs):
     return run_report
 
 
+@pytest.mark.slow
 def test_every_section_has_both_implementations(tiny_report):
     seen = {(r["family"], r["section"], r["impl"]) for r in tiny_report["rows"]}
     for family, sections in (
@@ -202,6 +203,7 @@ def test_unknown_section_is_a_clean_error(capsys):
     assert "error: unknown section 'prefil'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
     reason="--keep-freed-memory applies glibc's mallopt",
@@ -295,6 +297,7 @@ def test_convert_benchmark_refuses_a_missing_folder_before_running(tmp_path, cap
             bench_convert.run_benchmark("tiny", workdir=str(missing), isolate=False)
 
 
+@pytest.mark.slow
 def test_convert_benchmark_reports_a_contender_that_fails_instead_of_waiting(tmp_path):
     import bench_convert
 
@@ -866,6 +869,7 @@ def test_comparison_ratios_are_new_over_old_round_by_round():
     assert rows["memory"]["no_worse"] == (statistics.median(rows["memory"]["new_over_old"]) <= 1.03)
 
 
+@pytest.mark.slow
 def test_an_arm_imports_hfgpt_from_its_own_checkout(tmp_path):
     tree = tmp_path / "tree"
     (tree / "cpu").mkdir(parents=True)

@@ -115,6 +115,7 @@ def test_output_carries_remote_code_for_every_head(gpt2_out):
         assert (gpt2_out / name).read_text() == (ROOT / "modeling" / name).read_text()
 
 
+@pytest.mark.slow
 def test_cli_and_script_and_entry_point(gpt2_out, tmp_path):
     assert main([str(GPT2), str(tmp_path / "a"), "--dtype", "bfloat16"]) == 0
     with safe_open(tmp_path / "a" / "model.safetensors", "pt") as f:

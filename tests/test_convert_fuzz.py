@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.numpy import load_file
 
@@ -93,6 +94,7 @@ def logits(folder: Path) -> torch.Tensor:
         return model(torch.arange(20)[None]).logits
 
 
+@pytest.mark.slow
 def test_random_damage_is_refused_or_harmless(tmp_path, capsys):
     started, cpu = time.monotonic(), time.process_time()
     report: list[str] = []  # printed at the end: capsys takes what is printed before its last read

@@ -48,6 +48,7 @@ def test_loss_covers_only_the_sorted_half():
     assert example["labels"][:5] == [-100] * 5 and example["labels"][5:] == example["input_ids"][5:]
 
 
+@pytest.mark.slow
 def test_demo_pipeline_in_reduced_mode(tmp_path, capsys):
     out = tmp_path / "demo"
     argv = ["--output-dir", str(out), "--steps", "40", "--n-train", "512", "--n-test", "20", "--length", "5"]

@@ -585,6 +585,7 @@ def one_process_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_wrapped_model_saves_a_checkpoint_that_loads_without_hfgpt(tmp_path, one_process_group):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh

@@ -160,6 +160,7 @@ def test_the_compiled_fused_loss_equals_the_eager_one(small_chunks):
     torch.testing.assert_close(weight.grad, expected[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device, rows, slices",
     [  # GPT-2's vocabulary at 16 x 1024 tokens: 13 slices on the CPU, one on an accelerator (meta here)

@@ -192,6 +192,7 @@ def pushed(hub: HubServer, checkpoints: dict[str, Path], tmp_path_factory: pytes
     return facts
 
 
+@pytest.mark.slow
 def test_push_converted_checkpoint_then_load_by_repo_id_gives_same_logits(pushed: dict) -> None:
     assert pushed["rc"] == [0, 0, 0]
     assert pushed["model_class"] == "hfgpt.modeling.modeling_hfgpt"  # the installed hfgpt, not remote code
@@ -280,6 +281,7 @@ json.dump(facts, open(out + ".json", "w"))
 """
 
 
+@pytest.mark.slow
 def test_load_with_trust_remote_code_where_hfgpt_cannot_be_imported(
     pushed: dict, hub: HubServer, tmp_path: Path
 ) -> None:

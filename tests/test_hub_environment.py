@@ -138,6 +138,7 @@ def test_hub_tests_pass_in_an_offline_users_environment_and_leave_their_hf_home_
     assert _snapshot(user_home) == before
 
 
+@pytest.mark.slow
 def test_constants_read_before_the_session_began_are_set_again(tmp_path: Path) -> None:
     """A plugin that imports huggingface_hub before tests/conftest.py (here `-p huggingface_hub.constants`)
     leaves constants read from the user's environment: the session sets them to its own."""

@@ -22,6 +22,7 @@ def trained(tmp_path_factory):
     return out, json.loads((out / "trained.json").read_text())
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_every_copy_is_compared(trained):
     _, report = trained
     assert report["training"]["last_loss"] < report["training"]["first_loss"] - 0.5

@@ -290,6 +290,7 @@ def test_cards_of_transformers_format_checkpoints_describe_transformers_classes(
     assert f'model = {loader}.from_pretrained("me/x")' in text
 
 
+@pytest.mark.slow
 def test_double_heads_card_names_a_loader_that_loads_the_double_heads_model(tmp_path: Path) -> None:
     """The hfgpt-format card's two snippets, run as written against a saved GPTDoubleHeadsModel: with hfgpt,
     and in a process where hfgpt cannot be imported (remote code)."""
@@ -343,6 +344,7 @@ def test_configs_the_cards_cannot_describe_are_refused_by_field(config: dict, me
         render_model_card("trained", config=config)
 
 
+@pytest.mark.slow
 def test_transformers_format_card_snippets_load_with_plain_transformers_and_with_hfgpt(
     tmp_path: Path,
 ) -> None:

@@ -489,6 +489,7 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_trust_remote_code_loads_without_hfgpt(tmp_path):
     _, ours = make_pair(GPTForCausalLM, "pre")
     ours.save_pretrained(tmp_path / "ckpt")

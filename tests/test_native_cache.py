@@ -409,6 +409,7 @@ def _mount_namespace_refusal() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags(),
     reason=".ci/as-avx2 needs an x86-64 CPU with AVX2 and FMA",

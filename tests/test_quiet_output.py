@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 FIXTURES = Path(__file__).parent / "fixtures"
 BIN = Path(sys.executable).parent
 # transformers' warning for a config of another model type than the class's (configuration_utils.py).
@@ -32,6 +34,7 @@ def run_python(code: str, folder: Path) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_convert_on_a_damaged_release_prints_its_error_first(tmp_path):
     release = tmp_path / "124M"
     shutil.copytree(FIXTURES / "openai-gpt2-tiny", release)
@@ -48,6 +51,7 @@ def test_convert_on_a_damaged_release_prints_its_error_first(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_loading_transformers_checkpoints_into_hfgpt_prints_no_model_type_warning(tmp_path):
     result = run_python(
         """
@@ -73,6 +77,7 @@ def test_loading_transformers_checkpoints_into_hfgpt_prints_no_model_type_warnin
     assert MODEL_TYPE_WARNING not in loading and "not supported" not in loading, loading
 
 
+@pytest.mark.slow
 def test_other_model_types_still_get_transformers_warning(tmp_path):
     # Only gpt2 and openai-gpt configs are read as hfgpt's on purpose: a config of another model type
     # keeps transformers' warning.

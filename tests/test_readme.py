@@ -6,6 +6,9 @@ releases in `models/124M` and `finetune-transformer-lm/model` (the tiny fixture 
 tests/fixtures), a small corpus and CSV files for the training examples, and a Hub on 127.0.0.1
 (tests/hub_server.py) that holds `openai-community/gpt2` (the GPT-2 fixture converted to transformers'
 layout) and accepts pushes to `you/...`. The only edits to the blocks are listed in `SUBSTITUTIONS`.
+Each Python block, and each shell line that calls one of hfgpt's commands, runs in a forked copy of one
+interpreter that imported torch and transformers (not hfgpt) in that environment (tests/preloaded_python.py):
+as a fresh interpreter would run it, less the seconds of those imports; other shell lines run in bash.
 """
 
 from __future__ import annotations

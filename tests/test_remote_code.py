@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from hfgpt.modeling import GPTConfig, GPTForCausalLM, GPTForSequenceClassification
@@ -176,6 +177,7 @@ def check_code_files(ckpt: Path) -> None:
                 assert level == 1 and f"{top}.py" in names, f"{file.name}: from {'.' * level}{module}"
 
 
+@pytest.mark.slow
 def test_causal_lm_generates_the_same_tokens_without_hfgpt(tmp_path):
     ckpt = tmp_path / "lm"
     ours = save_tiny(GPTForCausalLM, ckpt)
@@ -191,6 +193,7 @@ def test_causal_lm_generates_the_same_tokens_without_hfgpt(tmp_path):
     assert out["result"] == expected.tolist()
 
 
+@pytest.mark.slow
 def test_sequence_classification_gives_the_same_logits_without_hfgpt(tmp_path):
     ckpt = tmp_path / "clf"
     ours = save_tiny(GPTForSequenceClassification, ckpt, num_labels=3)

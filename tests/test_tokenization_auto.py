@@ -99,6 +99,7 @@ def _load_without_hfgpt(folder: Path, text: str, trust: bool, tmp_path: Path) ->
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_gpt1_loads_through_remote_code_without_hfgpt(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     text = GPT1_EXPECTED["texts"][2]
     loaded = _load_without_hfgpt(checkpoints["openai-gpt"], "_start_" + text, True, tmp_path)

@@ -212,6 +212,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_accelerate_launch_two_processes(tmp_path, corpus):
     out = tmp_path / "ddp"
     argv = _argv(corpus, out, "--max_steps", "3", "--save_strategy", "no", "--eval_strategy", "no")
@@ -464,6 +465,7 @@ def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_stops(tmp_path, cor
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-3"]  # no final export
 
 
+@pytest.mark.slow
 def test_hfgpt_train_on_sigterm_exits_143_naming_a_checkpoint_that_resumes_exactly(tmp_path, corpus):
     """The command line in a subprocess, sent SIGTERM once it logs its first loss: exit status 143 and a
     message naming the checkpoint; resuming from it to step N gives the weights of a straight run of N
