@@ -81,6 +81,17 @@ def pytest_configure(config: pytest.Config) -> None:
         share = max(1, len(os.sched_getaffinity(0)) // workers)
         torch.set_num_threads(share)
         _session_env.setenv("OMP_NUM_THREADS", str(share))
+    _share_the_long_tests(config)
+
+
+def _share_the_long_tests(config: pytest.Config) -> None:
+    """Where pytest-xdist runs the tests (`-n`) with the distribution it picks itself, `load`, its
+    `worksteal` instead: a worker that runs out of tests takes some of those queued for another, where
+    `load` leaves it waiting while the other works through its queue (`pytest_collection_modifyitems`
+    puts the long tests first). A `--dist` the command line names is kept."""
+    named = " ".join([*config.invocation_params.args, os.environ.get("PYTEST_ADDOPTS", "")])
+    if getattr(config.option, "dist", "no") == "load" and "--dist" not in named:
+        config.option.dist = "worksteal"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -221,8 +232,11 @@ def backend_for_backend_tests(request, monkeypatch):
     yield
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests marked `slow` run first, each group in its own order: pytest-xdist's workers then share out
-    the long tests at the start and the short ones at the end, rather than one worker running a long test
-    at the end while the other waits."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where pytest-xdist's workers take turns (`worksteal`, which `_share_the_long_tests` sets), the tests
+    marked `slow` run first, each group in its own order: the workers share out the long tests at the start
+    and the short ones at the end, rather than one worker running a long test at the end while the other
+    waits. (xdist's `load` hands each worker a run of consecutive tests at the start: the first would get
+    every long test.)"""
+    if getattr(config.option, "dist", "no") == "worksteal":
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
