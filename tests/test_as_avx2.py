@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from kernel_testing import cpu_flags  # tests/ is on sys.path
-from test_native_cache import AS_AVX2, _mount_namespace_refusal
+from test_native_cache import AS_AVX2, _mount_namespace_refusal, hidden_by_as_avx2
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = [
@@ -39,12 +39,10 @@ NOT_AGAIN = [
 ]
 # The skips such a CPU is expected to give: the int8 paths that need AVX-512 VNNI or AVX-VNNI.
 EXPECTED_SKIP = re.compile(r"the (avx512_vnni|avx_vnni) path needs a CPU with [a-z0-9_, ]+$")
-# The flags .ci/as-avx2 takes out of /proc/cpuinfo.
-HIDDEN = re.compile(r"^(avx512|amx|avx_vnni)|^(avx_ifma|avx_ne_convert)$")
 
 
 def test_the_kernel_modules_pass_as_on_an_avx2_cpu(tmp_path):
-    if not any(HIDDEN.match(flag) for flag in cpu_flags()):
+    if not any(hidden_by_as_avx2(flag) for flag in cpu_flags()):
         pytest.skip(
             "this CPU has no flag that .ci/as-avx2 hides: the suite's own run of these modules is the AVX2 run"
         )

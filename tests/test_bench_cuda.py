@@ -11,7 +11,7 @@ from pathlib import Path
 import bench_cuda  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
-from conftest import made_once  # tests/ is on sys.path
+from conftest import intra_op_threads, made_once  # tests/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,12 +22,8 @@ def tiny_reports(tmp_path_factory):
     run by its own test below)."""
 
     def run(out):
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny models on a busy machine: faster without OpenMP barriers
-        try:
+        with intra_op_threads(1):  # tiny models on a busy machine: faster without OpenMP barriers
             assert bench_cuda.main(["--tiny", "--device", "cpu", "--no-compile", "--json-dir", str(out)]) == 0
-        finally:
-            torch.set_num_threads(before)
 
     out = made_once(tmp_path_factory, "bench-cuda", run)
     return {
@@ -185,12 +181,8 @@ def test_the_claims_profile_runs_its_decoding_plan(tmp_path, monkeypatch):
         "slow_repeats": 1,
     }
     monkeypatch.setitem(bench_cuda.PROFILES, "claims-tiny", profile)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         report = bench_cuda.run("claims-tiny", "cpu", ("decode",), compile=False, json_dir=tmp_path)["decode"]
-    finally:
-        torch.set_num_threads(before)
     assert report["errors"] == [] and report["skipped"] == []
     seen = {(r["model"], r["case"].split(",")[0], r["impl"], r["mode"]) for r in report["rows"]}
     gpt2 = {("hfgpt", "dynamic cache"), ("transformers", "dynamic cache"), ("hfgpt", "on-device loop")}

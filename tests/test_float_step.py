@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from kernel_testing import (  # tests/ is on sys.path
+from conftest import intra_op_threads  # tests/ is on sys.path
+from kernel_testing import (
     NARROW_TARGETS,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
     narrow_build,
@@ -220,12 +221,8 @@ def test_a_build_for_narrower_vectors_gives_the_same_steps(target, threads, tmp_
             if build is not None:
                 using_library(patch, "row_product", build)
             calls = record_kernel_calls(patch, "row_product")
-            previous = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
+            with intra_op_threads(threads):
                 runs.append(greedy(model, ids, mask))
-            finally:
-                torch.set_num_threads(previous)
             assert calls.count("hfgpt_float_decode_step") == 7
     native_run, narrow = runs
     assert torch.equal(native_run.sequences, narrow.sequences)
@@ -240,15 +237,11 @@ def test_a_large_batch_on_one_thread_steps_through_runs_of_columns(one_calls, mo
     ids = torch.randint(1, 300, (16, 6), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[::3, :2] = 0
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         one = greedy(model, ids, mask, new=3)
         assert one_calls == [16, 16]
         block_by_block(monkeypatch)
         blocks = greedy(model, ids, mask, new=3)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(one.sequences, blocks.sequences)
     for got, expected in zip(one.scores, blocks.scores, strict=True):
         torch.testing.assert_close(got, expected, **CLOSE)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import intra_op_threads  # tests/ is on sys.path
 from kernel_testing import (
     cpu_flags,
     fresh_kernel_cache,  # noqa: F401 (autouse: each test loads the kernels afresh)
@@ -185,14 +186,10 @@ def test_no_gradient_and_no_crash_on_other_devices(monkeypatch):
 def test_kernel_result_does_not_depend_on_the_thread_count():
     layer = _layer(100, 300)
     x = torch.randn(7, 300)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         one = layer(x)
-        torch.set_num_threads(2)
+    with intra_op_threads(2):
         two = layer(x)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
