@@ -46,9 +46,8 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             run(request["argv"], request["cwd"], request["output"])
-            sys.exit(
-                0
-            )  # (the script ran to its end; an exception or sys.exit leaves before, as python's would)
+            # (the script ran to its end: an exception or sys.exit leaves before, as python's would)
+            sys.exit(0)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
 

@@ -258,7 +258,7 @@ class PreloadedPython:
     torch and transformers that each of the blocks would repeat)."""
 
     def __init__(self, work: Path, env: dict[str, str]) -> None:
-        self.work, self.env = work, env
+        self.work = work
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("preloaded_python.py"))],
             cwd=work,
