@@ -9,11 +9,11 @@ top-1 agreement, and the tokens of greedy continuations.
     python benchmarks/lowp_accuracy.py --json lowp.json                # GPT-2 124M, trained here first
     python benchmarks/lowp_accuracy.py --model PATH --text FILE ...    # a converted release, your text
 
-Without `--model`, GPT-2 124M shapes are trained here for `--steps` steps (inside CPU bfloat16 autocast,
-float32 weights) on a local English corpus: the docstrings of the installed transformers package, one
-file in ten held out. That is a briefly trained model, not OpenAI's: it has learned the common tokens,
-not the large activation outliers of the real GPT-2, which are what int8 weights are most sensitive
-to. With `--model` (any checkpoint `GPTForCausalLM.from_pretrained` reads, e.g. one written by
+Without `--model`, GPT-2 124M shapes are trained here for `--steps` steps (inside CPU bfloat16 autocast
+where the CPU has bfloat16 products, else in float32; float32 weights) on a local English corpus: the
+docstrings of the installed transformers package, one file in ten held out. That is a briefly trained
+model, not OpenAI's: it has learned the common tokens, not the large activation outliers of the real
+GPT-2, which are what int8 weights are most sensitive to. With `--model` (any checkpoint `GPTForCausalLM.from_pretrained` reads, e.g. one written by
 `hfgpt-convert`) the same figures come from the real weights.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from harness import host_line, machine_info, publish  # (a sibling: python benchmarks/lowp_accuracy.py)
+from harness import bfloat16_native, host_line, machine_info, publish  # (a sibling script's module)
 from transformers import AutoTokenizer
 
 from hfgpt.cpu import quantize_for_decoding
@@ -92,7 +92,9 @@ def train(model: GPTForCausalLM, rows: torch.Tensor, steps: int, batch: int, see
             else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
         ),
     )
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.backends.mkldnn.is_available())
+    # (not on torch's slow reference loop of bfloat16 products, which would take ten times float32's time)
+    in_bfloat16 = bfloat16_native("cpu")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=in_bfloat16)
     model.train()
     losses, start = [], time.perf_counter()
     for _ in range(steps):
@@ -109,6 +111,7 @@ def train(model: GPTForCausalLM, rows: torch.Tensor, steps: int, batch: int, see
     tail = losses[-max(1, steps // 10) :]
     return {
         "steps": steps,
+        "precision": "bfloat16 autocast" if in_bfloat16 else "float32",
         "first_loss": losses[0],
         "last_loss": sum(tail) / len(tail),
         "seconds": time.perf_counter() - start,
@@ -235,7 +238,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report["training"]:
         t = report["training"]
         lines.append(
-            f"Trained {t['steps']} steps in {t['seconds']:.0f} s: loss {t['first_loss']:.2f} -> {t['last_loss']:.2f}."
+            f"Trained {t['steps']} steps{f' ({p})' if (p := t.get('precision')) else ''} in {t['seconds']:.0f} s: "
+            f"loss {t['first_loss']:.2f} -> {t['last_loss']:.2f}."
         )
     g = report["greedy"]
     lines += [
