@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import GenerationConfig, GPT2LMHeadModel
+from transformers import ContinuousBatchingConfig, GenerationConfig, GPT2LMHeadModel
 from transformers.cache_utils import DynamicCache
 
 from hfgpt.modeling import (
@@ -185,7 +185,6 @@ def test_the_cache_by_its_name_before_transformers_5_24_still_works():
     assert torch.equal(*logits)
 
 
-@pytest.mark.slow
 def test_continuous_batching_gives_the_tokens_of_generate():
     """generate_batch (continuous batching) hands the model a paged cache as `cache`, which the attention
     fills through `cache.update(..., kwargs=...)` (since transformers 5.24; before, the attention function
@@ -196,8 +195,14 @@ def test_continuous_batching_gives_the_tokens_of_generate():
     ours = kernelize(GPTForCausalLM(GPTConfig(**TINY)).eval())
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 9, 3)]
     config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # The pages these requests need (on the CPU transformers would size the cache by the host's memory).
+    pages = ContinuousBatchingConfig(
+        page_size=16, num_blocks=8, max_batch_tokens=17, auto_switch_to_flash=False
+    )
     with torch.no_grad():
-        results = ours.generate_batch(prompts, generation_config=config, warmup=False).values()
+        results = ours.generate_batch(
+            prompts, generation_config=config, continuous_batching_config=pages, warmup=False
+        ).values()
         alone = [ours.generate(torch.tensor([p]), generation_config=config)[0, len(p) :] for p in prompts]
     got = {tuple(result.prompt_ids): result.generated_tokens for result in results}
     assert got == {tuple(p): tokens.tolist() for p, tokens in zip(prompts, alone, strict=True)}
