@@ -8,8 +8,10 @@ sums in another order), or the same exception. Edits that change the computation
 plain model's tokens or scores, so that a backend ignoring them would fail. The unedited model runs its
 decoding steps in C, so that the cases test the path they are about.
 
-Then: serialization (torch.save, pickle, deepcopy, save_pretrained) keeps the model fast and equal; export,
-tracing and compilation see the plain model; threads; the layout of what comes back (contiguous logits).
+Then: generate()'s own options (sampling from the same seed, beams, several sequences a prompt, penalties,
+extra outputs, other caches) give the plain model's tokens and scores; serialization (torch.save, pickle,
+deepcopy, save_pretrained) keeps the model fast and equal; export, tracing and compilation see the plain
+model; threads; the layout of what comes back (contiguous logits).
 """
 
 import copy
@@ -411,6 +413,46 @@ def test_the_plain_twin_runs_no_step_in_c():
     with StepCounter() as steps:
         generate(plain)
     assert steps.calls == 0 and not is_kernelized(plain)
+
+
+# --- generate()'s own options ----------------------------------------------------------------------------
+
+# generate() arguments that change how it drives the model (sampling, beams and their cache reordering,
+# several sequences a prompt, penalties, extra outputs, other caches), each with whether the C step runs.
+GENERATE_OPTIONS = {
+    "sampling": (dict(do_sample=True, top_k=20, temperature=0.7), True),
+    "beam_search": (dict(num_beams=3), True),
+    "beam_sampling": (dict(num_beams=2, do_sample=True), True),
+    "several_sequences": (dict(do_sample=True, num_return_sequences=2), True),
+    "repetition_penalty": (dict(repetition_penalty=1.5), True),
+    "hidden_states": (dict(output_hidden_states=True), False),
+    "static_cache": (dict(cache_implementation="static"), False),
+    "no_cache": (dict(use_cache=False), False),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", GENERATE_OPTIONS)
+def test_generate_options_give_what_the_plain_model_gives(name, family):
+    options, fast_path = GENERATE_OPTIONS[name]
+    fast, plain = make_models(family)
+    results = []
+    for model in (fast, plain):
+        torch.manual_seed(7)  # (sampling draws the same numbers in both)
+        with StepCounter() as steps, torch.no_grad():
+            out = model.generate(**prompts(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True, **options)  # fmt: skip
+        results.append((out, steps.calls))
+    (fast_out, fast_steps), (plain_out, _) = results
+    assert (fast_steps > 0) == fast_path
+    assert torch.equal(fast_out.sequences, plain_out.sequences), "different tokens"
+    for fast_scores, plain_scores in zip(fast_out.scores, plain_out.scores, strict=True):
+        torch.testing.assert_close(fast_scores, plain_scores, rtol=1e-4, atol=1e-4, equal_nan=True)
+    for field in ("hidden_states", "beam_indices"):
+        if getattr(plain_out, field, None) is not None:
+            torch.testing.assert_close(
+                getattr(fast_out, field), getattr(plain_out, field), rtol=1e-4, atol=1e-4
+            )
 
 
 # --- serialization ----------------------------------------------------------------------------------
