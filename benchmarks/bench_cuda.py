@@ -451,8 +451,11 @@ def median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
 
 
 def free_memory(device: str) -> None:
-    gc.collect()
+    """On a GPU, what the last contender held goes back to the device: reference cycles collected, then the
+    caching allocator's free blocks released. (On the CPU, where tensors are freed as their last reference
+    goes, a full collection is skipped: with torch and transformers loaded it takes about 0.4 s.)"""
     if device.startswith("cuda"):
+        gc.collect()
         torch.cuda.empty_cache()
 
 
