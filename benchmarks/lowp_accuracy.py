@@ -13,8 +13,9 @@ Without `--model`, GPT-2 124M shapes are trained here for `--steps` steps (insid
 where the CPU has bfloat16 products, else in float32; float32 weights) on a local English corpus: the
 docstrings of the installed transformers package, one file in ten held out. That is a briefly trained
 model, not OpenAI's: it has learned the common tokens, not the large activation outliers of the real
-GPT-2, which are what int8 weights are most sensitive to. With `--model` (any checkpoint `GPTForCausalLM.from_pretrained` reads, e.g. one written by
-`hfgpt-convert`) the same figures come from the real weights.
+GPT-2, which are what int8 weights are most sensitive to. With `--model` (any checkpoint
+`GPTForCausalLM.from_pretrained` reads, e.g. one written by `hfgpt-convert`) the same figures come from the
+real weights.
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"Model: {report['model']}. Host: {host}."]
     if report["training"]:
         t = report["training"]
+        precision = f" ({t['precision']})" if "precision" in t else ""  # (not recorded by older runs)
         lines.append(
-            f"Trained {t['steps']} steps{f' ({p})' if (p := t.get('precision')) else ''} in {t['seconds']:.0f} s: "
+            f"Trained {t['steps']} steps{precision} in {t['seconds']:.0f} s: "
             f"loss {t['first_loss']:.2f} -> {t['last_loss']:.2f}."
         )
     g = report["greedy"]
