@@ -38,6 +38,7 @@ def faults_in_a_fresh_process(mode: str) -> tuple[str, list[int]]:
     return applied, [int(f) for f in faults]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
     reason="mallopt is glibc's: elsewhere keep_freed_memory returns False (tested below)",
