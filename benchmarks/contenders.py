@@ -243,6 +243,12 @@ def left_padded_prompts(
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
+def first_token_prompt(length: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
+    """The time-to-first-token prompt: one row of `length` tokens, no padding, with its attention mask."""
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(2)).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 def greedy(
     model: nn.Module, prompts: dict[str, torch.Tensor], new_tokens: int, **kwargs: Any
 ) -> torch.Tensor:

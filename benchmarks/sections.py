@@ -30,6 +30,7 @@ from contenders import (
     compiled_decoding,
     compiled_plain_hfgpt,
     decoding_accuracy,
+    first_token_prompt,
     greedy,
     left_padded_prompts,
     module_decoder,
@@ -158,9 +159,7 @@ def ttft_rows(ctx: Context, family: str, ours: nn.Module, peer: nn.Module) -> li
     `max_new_tokens=1`, the prompt's forward and the first token as a user waits for them; the two models'
     tokens compared. A ratio is transformers' time over hfgpt's (above 1x: hfgpt answers sooner)."""
     length = ctx.profile["prompt_len"]
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, ours.config.vocab_size, (1, length), generator=generator).to(ctx.device)
-    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    prompts = first_token_prompt(length, ours.config.vocab_size, ctx.device)
     tokens: dict[str, torch.Tensor] = {}
 
     def first_token(name: str, model: nn.Module) -> Callable[[], None]:

@@ -941,6 +941,83 @@ def test_two_checkouts_run_side_by_side_in_fresh_processes(tmp_path, capsys, mon
     assert "| gpt2 | ttft |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_paired_processes_take_turns_and_each_ratio_is_taken_run_by_run(tmp_path, capsys, monkeypatch):
+    """--paired: both arms' processes stay up and take turns one run at a time, the order alternating by
+    turn and by pair; a row's ratio by pair is the median of its runs' old/new times, each arm's figure the
+    median of its rates; the tokens of every run are compared across runs and arms. (Both arms are this
+    checkout; where an arm imports hfgpt from is test_an_arm_imports_hfgpt_from_its_own_checkout's.)"""
+    monkeypatch.setattr(
+        compare_revisions, "imported_from", lambda env: (compare_revisions.ROOT / "cpu").resolve()
+    )
+    root = str(compare_revisions.ROOT)
+    out = tmp_path / "paired.json"
+    argv = [
+        "--base",
+        root,
+        "--new",
+        root,
+        "--paired",
+        "--tiny",
+        "--pairs",
+        "2",
+        "--runs",
+        "2",
+        "--json",
+        str(out),
+    ]
+    assert compare_revisions.main(argv) == 0
+    result = json.loads(out.read_text())
+    base_first, new_first = ["base", "new"], ["new", "base"]
+    assert result["orders"] == [base_first, new_first, new_first, base_first]
+    profile = harness.PROFILES["tiny"]
+    prompt, new_tokens = profile["prompt_len"], profile["new_tokens"]
+    expected = {
+        ("decode", f"B={b}, {prompt}+{new_tokens} tokens", impl)
+        for b in profile["decode_batches"]
+        for impl in ("hfgpt", "transformers")
+    }
+    expected |= {("lowp", f"B=1, {prompt}+{new_tokens} tokens", contenders.INT8)}
+    expected |= {("ttft", f"B=1, {prompt}-token prompt + first token", i) for i in ("hfgpt", "transformers")}
+    rows = {(r["section"], r["case"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == expected
+    for (section, case, _), row in rows.items():
+        work = 1 if section == "ttft" else int(case.split(",")[0][2:]) * new_tokens
+        seconds = row["seconds"]
+        assert [len(pair) for pair in seconds["base"] + seconds["new"]] == [2] * 4
+        assert row["old"] == pytest.approx(
+            [statistics.median(work / t for t in pair) for pair in seconds["base"]]
+        )
+        assert row["new"] == pytest.approx(
+            [statistics.median(work / t for t in pair) for pair in seconds["new"]]
+        )
+        by_pair = [
+            statistics.median(o / n for o, n in zip(old, new, strict=True))
+            for old, new in zip(seconds["base"], seconds["new"], strict=True)
+        ]
+        assert row["new_over_old"] == pytest.approx(by_pair)
+        assert row["tokens_identical"] is True  # one checkout in both arms: the same tokens every run
+        assert len(row["tokens"]["base"]) == 1 and row["tokens"]["base"] == row["tokens"]["new"]
+    assert result["host"].startswith(harness.machine_info("cpu")["cpu"])  # (the workers' threads may differ)
+    shown = capsys.readouterr().out
+    assert "new/old by pair" in shown and "Tokens differing between runs or arms: none." in shown
+
+
+@pytest.mark.slow
+def test_a_paired_worker_that_fails_is_named_with_its_error(tmp_path):
+    """An arm whose hfgpt cannot run the paired tasks (here a tree whose hfgpt.cpu is empty) ends the
+    comparison with an error naming the arm and showing the worker's own error, not a hang."""
+    tree = tmp_path / "tree"
+    (tree / "cpu").mkdir(parents=True)
+    (tree / "cpu" / "__init__.py").write_text("")
+    arms = {
+        "base": compare_revisions.arm_env(tree, tmp_path),
+        "new": compare_revisions.arm_env(compare_revisions.ROOT, tmp_path),
+    }
+    with pytest.raises(RuntimeError, match=r"(?s)the base arm's --paired worker ended .*ImportError"):
+        compare_revisions.paired(arms, "tiny", None, pairs=1, runs=1, workdir=tmp_path)
+
+
 # --- the LM head's product -----------------------------------------------------------------------------------
 
 
