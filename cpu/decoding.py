@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -182,7 +182,7 @@ def step_tensors(model: GPTModel) -> list[torch.Tensor] | None:
     """The tensors the step reads (wte's and wpe's weights, each block's `StepKind.block_tensors`, the
     final norm's weight and bias), or None where the kernel would not compute what the modules do. The full
     checks (`_kernel_computes`), a sizeable share of a step, run again only where `_StepWatch` finds a
-    change; finding none takes a few microseconds."""
+    change; finding none is a few loops in C over the watched entries."""
     watch = _WATCHES.get(model)
     if watch is None or not watch.unchanged():
         kind = _kernel_computes(model)
@@ -248,10 +248,9 @@ def _decoding_step(
     position_ids: torch.Tensor | None,
 ) -> BaseModelOutputWithPast | None:  # fmt: skip
     """The step `decodes_in_one_call` allows, or None where the attention mask hides a row's new token
-    (whose output the kernel's attention would make zeros; `GPTModel.forward` decides what it is)."""
-    batch = input_ids.shape[0]
-    layers = cache.layers
-    past = layers[0].keys.shape[2]
+    (whose output the kernel's attention would make zeros; `GPTModel.forward` decides what it is) or where an
+    id or a position is outside its embedding table (the model's own code raises its error)."""
+    batch, past = input_ids.shape[0], cache.layers[0].keys.shape[2]
     model._check_inputs(input_ids, attention_mask, batch, 1, past, position_ids, None, batch)
     mask = None
     if attention_mask is not None:
@@ -265,16 +264,19 @@ def _decoding_step(
     else:
         positions = position_ids.to(torch.int64).expand(batch, 1).reshape(batch).contiguous()
     # (the tensors `decodes_in_one_call` checked: wte's and wpe's weights, the blocks', the final norm's)
-    watch = _WATCHES[model]
-    tensors, kind = watch.tensors, watch.kind
-    blocks = list(model._modules["h"])
-    ln_f = model._modules.get("ln_f")
+    tensors, kind = _WATCHES[model].tensors, _WATCHES[model].kind
+    ids = input_ids.reshape(batch).contiguous()
+    for index, table in ((ids, tensors[0]), (positions, tensors[1])):
+        low, high = torch.aminmax(index)
+        if int(low) < 0 or int(high) >= table.shape[0]:
+            return None
+    blocks, ln_f = list(model._modules["h"]), model._modules.get("ln_f")
     end = 2 + len(blocks) * kind.block_tensors
     grow_in_place(cache)
     layers = cache.layers
     buffers = [layer.reserve(1) for layer in layers]
     hidden = getattr(kernels, kind.step)(
-        input_ids.reshape(batch).contiguous(), positions, tensors[0], tensors[1], tensors[2:end],
+        ids, positions, tensors[0], tensors[1], tensors[2:end],
         [keys for keys, _ in buffers], [values for _, values in buffers], past, mask,
         [block.attn.scaling for block in blocks], blocks[0].ln_1.eps, blocks[0].pre_norm, tensors[end:],
         1e-5 if ln_f is None else ln_f.eps,
@@ -332,8 +334,9 @@ class _StepWatch:
         if ln_f is not None:
             self.setting(ln_f, "eps")
             self.tensor(ln_f, "weight"), self.tensor(ln_f, "bias")
-        # (`param.data = ...` keeps the parameter and changes what it holds)
-        self.layouts = list(map(_layout, self.tensors))
+        # (`param.data = ...` keeps the parameter and changes what it holds: the step reads each tensor's
+        # memory where it is at the call, so what must stay is its dtype, size and contiguous CPU memory)
+        self.dtypes, self.sizes = list(map(_DTYPE, self.tensors)), list(map(Tensor.size, self.tensors))
 
     def module(self, registry: dict, name: str, modal: bool = False) -> Any:
         """Watch `registry[name]` (None where absent), its hooks, its instance `forward` and, where
@@ -361,22 +364,26 @@ class _StepWatch:
         self.values.append(value)
 
     def unchanged(self) -> bool:
-        """Whether every watched object is still in place, no hook is registered (on a watched module or
-        globally) and no watched module of dropout is in training mode."""
+        """Whether every watched object is still in place, every tensor of the step still a contiguous CPU
+        tensor of its dtype and size, no hook is registered (on a watched module or globally) and no watched
+        module of dropout is in training mode."""
         return (
             # (in C loops: `registry.get(name) is value` for every entry)
             all(map(operator.is_, map(dict.get, self.registries, self.names), self.values))
             and len(self.blocks[0]) == self.blocks[1]
-            and list(map(_layout, self.tensors)) == self.layouts
+            and list(map(Tensor.size, self.tensors)) == self.sizes
+            and list(map(_DTYPE, self.tensors)) == self.dtypes
+            and all(map(Tensor.is_contiguous, self.tensors))
+            and all(map(_IS_CPU, self.tensors))
             and not any(self.hooks)
-            and not any(attributes["training"] for attributes in self.modal)
+            and not any(map(_TRAINING, self.modal))
             and not has_global_forward_hooks()
         )
 
 
-def _layout(tensor: torch.Tensor) -> tuple:
-    """Where and how `tensor` holds its values."""
-    return tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride(), tensor.device
+# (the attributes `_StepWatch.unchanged` reads, each in one C loop over a list: a GPT-2 step's 148 tensors)
+_DTYPE, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
+_TRAINING = operator.itemgetter("training")
 
 
 # --- the plain GPTBlock ---------------------------------------------------------------------------------

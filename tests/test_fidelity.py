@@ -286,6 +286,21 @@ def weight_data_assigned(model, monkeypatch):
     layer.weight.data = layer.weight.data * 1.5  # the same Parameter, holding a new tensor
 
 
+def weight_data_strided(model, monkeypatch):
+    layer = model.transformer.h[0].attn.c_proj
+    layer.weight.data = layer.weight.data.t().contiguous().t()  # the same Parameter: equal values, strided
+
+
+def weight_data_narrowed(model, monkeypatch):
+    layer = model.transformer.h[1].mlp.c_proj
+    layer.weight.data = layer.weight.data[:-64]  # the same Parameter, contiguous, 64 inputs short: an error
+
+
+def position_table_cut(model, monkeypatch):
+    wpe = model.transformer.wpe
+    wpe.weight.data = wpe.weight.data[:9]  # the same Parameter, fewer rows: position 9 is out of range
+
+
 def weight_edited_in_place(model, monkeypatch):
     with torch.no_grad():
         model.transformer.h[1].attn.c_attn.weight.mul_(1.5)
@@ -354,6 +369,9 @@ EDITS: dict[str, tuple[Callable, bool]] = {
     "replace_head": (replace_head, True),
     "instance_forward": (instance_forward, True),
     "weight_data_assigned": (weight_data_assigned, True),
+    "weight_data_strided": (weight_data_strided, False),
+    "weight_data_narrowed": (weight_data_narrowed, True),
+    "position_table_cut": (position_table_cut, True),
     "weight_edited_in_place": (weight_edited_in_place, True),
     "weight_transposed_layout": (weight_transposed_layout, False),
     "float64_weights": (float64_weights, False),
