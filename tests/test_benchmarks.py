@@ -314,6 +314,7 @@ OTHER_FIGURES = {
     "figures-cuda-decoding.json",  # bench_cuda.py (a GPU run)
     "profile-cuda-training.json",  # profile_cuda.py (a GPU run)
     "head-cpu.json",  # bench_head.py
+    "old-new-cpu.json",  # compare_revisions.py --paired
 }
 
 
