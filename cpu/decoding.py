@@ -334,9 +334,9 @@ class _StepWatch:
         if ln_f is not None:
             self.setting(ln_f, "eps")
             self.tensor(ln_f, "weight"), self.tensor(ln_f, "bias")
-        # (`param.data = ...` keeps the parameter and changes what it holds: the step reads each tensor's
-        # memory where it is at the call, so what must stay is its dtype, size and contiguous CPU memory)
-        self.dtypes, self.sizes = list(map(_DTYPE, self.tensors)), list(map(Tensor.size, self.tensors))
+        # (`.data = ...`, `swap_tensors` keep a parameter and change what it holds; the step reads each tensor
+        # where it is at the call: what must stay is its class, dtype, size and contiguity)
+        self.types, self.dtypes, self.sizes = (list(map(f, self.tensors)) for f in (type, _DTYPE, _SIZE))
 
     def module(self, registry: dict, name: str, modal: bool = False) -> Any:
         """Watch `registry[name]` (None where absent), its hooks, its instance `forward` and, where
@@ -364,14 +364,15 @@ class _StepWatch:
         self.values.append(value)
 
     def unchanged(self) -> bool:
-        """Whether every watched object is still in place, every tensor of the step still a contiguous CPU
-        tensor of its dtype and size, no hook is registered (on a watched module or globally) and no watched
-        module of dropout is in training mode."""
+        """Whether every watched object is still in place, each of the step's tensors still a contiguous CPU
+        tensor of its class, dtype and size, no hook registered (on a watched module or globally) and no
+        watched module of dropout in training mode."""
         return (
             # (in C loops: `registry.get(name) is value` for every entry)
             all(map(operator.is_, map(dict.get, self.registries, self.names), self.values))
             and len(self.blocks[0]) == self.blocks[1]
-            and list(map(Tensor.size, self.tensors)) == self.sizes
+            and list(map(type, self.tensors)) == self.types
+            and list(map(_SIZE, self.tensors)) == self.sizes
             and list(map(_DTYPE, self.tensors)) == self.dtypes
             and all(map(Tensor.is_contiguous, self.tensors))
             and all(map(_IS_CPU, self.tensors))
@@ -382,7 +383,7 @@ class _StepWatch:
 
 
 # (the attributes `_StepWatch.unchanged` reads, each in one C loop over a list: a GPT-2 step's 148 tensors)
-_DTYPE, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
+_DTYPE, _IS_CPU, _SIZE = operator.attrgetter("dtype"), operator.attrgetter("is_cpu"), Tensor.size
 _TRAINING = operator.itemgetter("training")
 
 
