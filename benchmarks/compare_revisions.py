@@ -415,12 +415,13 @@ def checked_arms(base_tree: Path, new_tree: Path, workdir: Path) -> dict[str, di
 
 
 def publish_comparison(result: dict[str, Any], path: Path | None) -> int:
-    """Print the comparison's table; write it as JSON to `path` where given (written aside, then moved)."""
+    """Print the comparison's table; write it as JSON to `path` where given (`harness.write_json`: strict
+    JSON, written aside, then moved into place)."""
     print(format_comparison(result))
     if path:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)
+        from harness import write_json  # (torch and hfgpt: loaded once the arms have run)
+
+        write_json(path, result)
     return 0
 
 
